@@ -1,0 +1,109 @@
+"""Following a running pipeline: progress bar, evaluation, restarts; then the run's report.
+
+The trainer's lines in `metrics.jsonl` drive everything: the bar shows them, every
+`eval.every` steps the held-out accuracy of that version is measured and appended
+as an `eval` line, and the report (summary.json, curves.png, TensorBoard) is built
+from the file alone, so it can be rebuilt for any run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from pipeline.evaluate import Evaluator
+from schemas.config import RunConfig
+from workers import runtime
+from workers.weights import version_path
+
+
+def read_metrics(path: Path, offset: int = 0) -> tuple[list[dict], int]:
+    """Complete lines after byte `offset`, and the offset after them."""
+    if not path.exists():
+        return [], offset
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read()
+    end = data.rfind(b"\n") + 1
+    return [json.loads(line) for line in data[:end].splitlines() if line.strip()], offset + end
+
+
+def follow(config: RunConfig, run_dir: Path, workers: list, evaluator: Evaluator | None,
+           base_accuracy: float | None, started: float, progress: bool) -> str:
+    """Until the trainer's last step: 'finished', 'interrupted' (Ctrl-C), 'timeout' or 'failed'."""
+    metrics_path = run_dir / "metrics.jsonl"
+    writer = runtime.MetricsWriter(metrics_path, "eval")
+    if base_accuracy is not None:
+        writer.write(step=0, heldout_accuracy=base_accuracy)
+    accuracy = base_accuracy
+    bar = tqdm(total=config.trainer.steps, desc="asyncrl", unit="step", disable=not progress, dynamic_ncols=True)
+    offset, step = 0, 0
+    try:
+        while True:
+            lines, offset = read_metrics(metrics_path, offset)
+            for line in (l for l in lines if l["source"] == "trainer"):
+                bar.update(line["step"] - step)
+                step = line["step"]
+                if evaluator and config.eval.every and step % config.eval.every == 0 and step < config.trainer.steps:
+                    measured = evaluator.accuracy(version_path(runtime.weights_dir(config), step))
+                    if measured is not None:
+                        accuracy = measured
+                        writer.write(step=step, heldout_accuracy=accuracy)
+                bar.set_postfix(reward=f"{line['reward_mean']:.2f}", acc="-" if accuracy is None else f"{accuracy:.2f}",
+                                stale=f"{line['staleness_mean']:.1f}", tok_s=f"{line['tokens_per_s']:.0f}", refresh=False)
+            trainer = next(w for w in workers if w.role == "trainer")
+            if trainer.process.poll() == 0 and step >= config.trainer.steps:
+                return "finished"
+            for worker in workers:
+                code = worker.process.poll()
+                if code is not None and not (worker.role != "trainer" and code == 0 and step >= config.trainer.steps):
+                    if worker.restarts >= 3:
+                        bar.write(f"asyncrl: {worker.name} failed {worker.restarts + 1} times (exit {code}); see {worker.log_path}")
+                        return "failed"
+                    bar.write(f"asyncrl: {worker.name} exited with {code}; restarting it")
+                    worker.restarts += 1
+                    worker.start()
+            if config.max_wall_s and time.time() - started > config.max_wall_s:
+                bar.write(f"asyncrl: max_wall_s={config.max_wall_s} reached, stopping")
+                return "timeout"
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        bar.write("asyncrl: interrupted, stopping every worker")
+        return "interrupted"
+    finally:
+        bar.close()
+
+
+def finish(config: RunConfig, run_dir: Path, evaluator: Evaluator | None, base_accuracy: float | None,
+           outcome: str, started: float) -> dict:
+    """Final evaluation, then summary.json, curves.png and TensorBoard events."""
+    lines, _ = read_metrics(run_dir / "metrics.jsonl")
+    steps = [l for l in lines if l["source"] == "trainer"]
+    last = steps[-1] if steps else {}
+    final_accuracy = None
+    if evaluator and last:
+        final_accuracy = evaluator.accuracy(version_path(runtime.weights_dir(config), last["step"]))
+        if final_accuracy is not None:
+            runtime.MetricsWriter(run_dir / "metrics.jsonl", "eval").write(step=last["step"], heldout_accuracy=final_accuracy)
+    summary = {
+        "run": config.name, "outcome": outcome,
+        "base_accuracy": base_accuracy, "final_accuracy": final_accuracy,
+        "steps": last.get("step", 0), "max_staleness": config.trainer.max_staleness,
+        "max_staleness_trained": last.get("max_staleness_trained", 0),
+        "trained_tokens": last.get("trained_tokens", 0),
+        "interrupted_trajectories": last.get("interrupted_trajectories", 0),
+        "mixed_version_trajectories": last.get("mixed_version_trajectories", 0),
+        "groups_consumed": last.get("groups_consumed", 0), "groups_dropped": last.get("groups_dropped", 0),
+        "trained_tokens_per_s": last.get("tokens_per_s", 0.0),
+        "wall_seconds": round(time.time() - started, 1),
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    from pipeline.report import plot_curves, write_tensorboard
+
+    all_lines, _ = read_metrics(run_dir / "metrics.jsonl")
+    plot_curves(all_lines, run_dir / "curves.png")
+    write_tensorboard(all_lines, run_dir / "tensorboard")
+    return summary

@@ -1,0 +1,55 @@
+"""Plots and TensorBoard events from the lines of metrics.jsonl."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _series(lines: list[dict], source: str, key: str) -> tuple[list[int], list[float]]:
+    points = [(l["step"], l[key]) for l in lines if l["source"] == source and l.get(key) is not None]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def _rolling(values: list[float], window: int = 20) -> list[float]:
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot_curves(lines: list[dict], path: Path) -> None:
+    """Reward, held-out accuracy and staleness per step, one panel each."""
+    fig, (reward_ax, accuracy_ax, stale_ax) = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    steps, rewards = _series(lines, "trainer", "reward_mean")
+    reward_ax.plot(steps, rewards, alpha=0.3, label="per step")
+    reward_ax.plot(steps, _rolling(rewards), label="rolling mean (20)")
+    reward_ax.set_ylabel("training reward")
+    reward_ax.legend(loc="lower right")
+    eval_steps, accuracy = _series(lines, "eval", "heldout_accuracy")
+    accuracy_ax.plot(eval_steps, accuracy, marker="o")
+    accuracy_ax.set_ylabel("held-out greedy accuracy")
+    accuracy_ax.set_ylim(0, 1)
+    for key, label in (("staleness_mean", "mean"), ("staleness_max", "max")):
+        stale_ax.plot(*_series(lines, "trainer", key), label=label)
+    stale_ax.set_ylabel("staleness (versions)")
+    stale_ax.set_xlabel("trainer step")
+    stale_ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_tensorboard(lines: list[dict], directory: Path) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(directory)) as writer:
+        for line in lines:
+            for key, value in line.items():
+                if key not in ("step", "time", "source") and isinstance(value, (int, float)):
+                    writer.add_scalar(f"{line['source']}/{key}", value, line["step"], walltime=line["time"])

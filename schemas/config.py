@@ -1,0 +1,107 @@
+"""The typed run configuration: one Struct per section, a description per field.
+
+`pipeline.config` loads it from YAML plus dotted overrides; every worker gets the
+same resolved file, so what a worker does is fully named by it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+
+def doc(text: str, **constraints) -> msgspec.Meta:
+    """Field description (shown by `asyncrl run --dry-run --explain`) plus constraints."""
+    return msgspec.Meta(description=text, **constraints)
+
+
+class Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    pass
+
+
+class BrokerConfig(Section):
+    bootstrap: Annotated[str, doc("Kafka bootstrap HOST:PORT; empty = start the embedded Tansu broker")] = ""
+    topic_prefix: Annotated[str, doc("prefix for every topic name, to share one broker between runs")] = ""
+    partitions: Annotated[int, doc("partitions of prompts/segments/scored (weights always has 1)", ge=1)] = 1
+
+
+class ModelConfig(Section):
+    path: Annotated[str, doc("local directory of a Hugging Face causal LM; empty = build the demo model")] = ""
+    device: Annotated[str, doc("torch device for rollout and trainer: cpu, cuda, cuda:1 ...")] = "cpu"
+
+
+class DataConfig(Section):
+    source: Annotated[str, doc("'builtin' (the demo task) or a JSONL file with prompt/answer fields")] = "builtin"
+    reward: Annotated[
+        str, doc("'builtin' (exact match), 'math' (math-verify) or 'module:function' of your own")
+    ] = "builtin"
+    n_samples: Annotated[int, doc("completions per prompt (the GRPO group size)", ge=1)] = 8
+    epochs: Annotated[int, doc("passes over the dataset before the prompt source stops", ge=1)] = 1000
+    held_out: Annotated[int, doc("built-in task: problems kept out of training for evaluation", ge=1)] = 200
+
+
+class RolloutConfig(Section):
+    workers: Annotated[int, doc("rollout worker processes started by `asyncrl run`", ge=1)] = 1
+    max_batch: Annotated[int, doc("sequences decoded together by one engine", ge=1)] = 64
+    temperature: Annotated[float, doc("sampling temperature (0 = greedy)", ge=0)] = 1.0
+    top_p: Annotated[float, doc("nucleus sampling mass", gt=0, le=1)] = 1.0
+    max_new_tokens: Annotated[int, doc("completion length limit", ge=1)] = 16
+    interrupt: Annotated[bool, doc("interrupt in-flight sequences when new weights arrive")] = True
+    threads: Annotated[int, doc("torch CPU threads of each rollout worker", ge=1)] = 1
+
+
+class RewardConfig(Section):
+    processes: Annotated[int, doc("size of the scoring process pool", ge=1)] = 1
+    timeout_s: Annotated[float, doc("per-call scoring time limit; a timeout is a failure reward", gt=0)] = 10.0
+    failure_reward: Annotated[float, doc("reward given when scoring raises or times out")] = 0.0
+
+
+class TrainerConfig(Section):
+    steps: Annotated[int, doc("optimizer steps; the run ends after the last one", ge=1)] = 600
+    threads: Annotated[int, doc("torch CPU threads of the trainer", ge=1)] = 1
+    batch_groups: Annotated[int, doc("prompt groups per step (B)", ge=1)] = 8
+    max_staleness: Annotated[int, doc("eta: a group released at version v trains by version v + eta", ge=0)] = 4
+    objective: Annotated[
+        Literal["decoupled", "naive"], doc("decoupled PPO (pi_prox recomputed) or naive PPO (pi_prox = pi_behav)")
+    ] = "decoupled"
+    lr: Annotated[float, doc("AdamW learning rate", gt=0)] = 1e-4
+    weight_decay: Annotated[float, doc("AdamW weight decay", ge=0)] = 0.0
+    grad_clip: Annotated[float, doc("max global gradient norm", gt=0)] = 1.0
+    clip_eps: Annotated[float, doc("PPO ratio clip epsilon", gt=0, lt=1)] = 0.2
+    behaviour_weight_cap: Annotated[
+        float, doc("cap on pi_prox/pi_behav per token; 0 = no cap", ge=0)
+    ] = 0.0
+    minibatches: Annotated[int, doc("PPO minibatch updates per step", ge=1)] = 1
+    checkpoint_every: Annotated[int, doc("steps between checkpoints", ge=1)] = 100
+    keep_versions: Annotated[int, doc("weight versions kept on shared storage", ge=2)] = 4
+    weights_dir: Annotated[str, doc("shared storage for weights; empty = <run dir>/weights")] = ""
+    warmup_steps: Annotated[int, doc("demo only: supervised warm-up steps before RL", ge=0)] = 60
+
+
+class EvalConfig(Section):
+    every: Annotated[int, doc("evaluate held-out greedy accuracy every N versions; 0 = only first/last", ge=0)] = 50
+
+
+class RunConfig(Section):
+    name: Annotated[str, doc("run name: the run directory is <runs_dir>/<name>", min_length=1)] = "demo"
+    runs_dir: Annotated[str, doc("where run directories are created")] = "runs"
+    seed: Annotated[int, doc("seed for data order, sampling and the demo model")] = 0
+    max_wall_s: Annotated[float, doc("stop the run after this many seconds; 0 = no limit", ge=0)] = 0.0
+    broker: BrokerConfig = BrokerConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    eval: EvalConfig = EvalConfig()
+
+    def __post_init__(self) -> None:
+        if "/" in self.name or self.name in {".", "..", "latest"}:
+            raise ValueError(f"name {self.name!r} must be a plain directory name other than 'latest'")
+        if self.data.reward not in {"builtin", "math"} and ":" not in self.data.reward:
+            raise ValueError(f"data.reward {self.data.reward!r}: use 'builtin', 'math' or 'module:function'")
+        if self.data.source != "builtin" and self.data.reward == "builtin":
+            raise ValueError("data.reward 'builtin' verifies the built-in task only; use 'math' or 'module:function'")
+        if self.trainer.minibatches > self.trainer.batch_groups * self.data.n_samples:
+            raise ValueError("trainer.minibatches cannot exceed the trajectories per step (batch_groups * n_samples)")

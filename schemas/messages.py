@@ -1,0 +1,156 @@
+"""Every message on every topic, as msgspec Structs encoded as MessagePack.
+
+Each field comment names who writes it and who reads it. A message carries
+`schema_version`; a reader rejects a version it does not know with a clear error
+(and the worker sends the bytes to `dead-letter`). The struct's name travels in
+the `schema` message header so that replay tools can decode any topic.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, TypeVar
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+FinishReason = Literal["interrupted", "stop", "length", "error"]
+TERMINAL_REASONS: frozenset[str] = frozenset({"stop", "length", "error"})
+
+
+class Message(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Base of every topic message."""
+
+    schema_version: int = SCHEMA_VERSION
+
+
+class PromptGroup(Message, kw_only=True):
+    """Topic `prompts`, key = prompt_id. Prompt source -> rollout workers."""
+
+    prompt_id: str  # source: unique per run, dataset row and epoch; rollout: prefix of trajectory ids
+    row_index: int  # source: the dataset row; replay: find the row again
+    epoch: int  # source: pass over the dataset (0-based)
+    release_index: int  # source: N, the ordinal of this group among all released; trainer: oldest first
+    released_at_version: int  # source: trainer version when released; rollout waits to hold it; trainer: staleness
+    prompt_text: str  # source; reward: passed to the reward function
+    prompt_tokens: list[int]  # source (tokenised once); rollout: the prefix to generate from
+    answer: str  # source: the reference answer; reward: the verifier compares against it
+    metadata: dict[str, str] = {}  # source: free-form row fields (tests, ids); reward: passed through
+    n_samples: int  # source; rollout: completions to generate; reward, trainer: group is complete at n
+
+
+class Segment(Message, kw_only=True):
+    """Topic `segments`, key = trajectory_id. Rollout workers -> reward workers.
+
+    A run of tokens of one trajectory generated under one policy version. A
+    trajectory is the segments 0..k of one attempt, the last one terminal.
+    """
+
+    trajectory_id: str  # rollout: "<prompt_id>/<sample_index>"
+    attempt: str  # rollout: "<worker_id>:<counter>"; reward keeps the first attempt that finishes
+    segment_index: int  # rollout: 0, 1, ... within the attempt
+    version: int  # rollout: policy version of every token in this segment
+    token_ids: list[int]  # rollout: generated tokens (may be empty for an empty interrupted run)
+    logprobs: list[float]  # rollout: behaviour logprob of each token, same length as token_ids
+    finish_reason: FinishReason  # rollout: "interrupted" = more segments follow
+    worker_id: str  # rollout: who generated it
+    group: PromptGroup | None = None  # rollout: the prompt, on segment 0 only; reward: builds `scored`
+    error: str = ""  # rollout: why, when finish_reason == "error"
+
+
+class Scored(Message, kw_only=True):
+    """Topic `scored`, key = prompt_id. Reward workers -> trainer. One finished trajectory."""
+
+    trajectory_id: str  # reward: "<prompt_id>/<sample_index>"; trainer: trained at most once
+    prompt_id: str  # reward; trainer: groups trajectories
+    sample_index: int  # reward
+    n_samples: int  # reward (from the group); trainer: the group is complete at n
+    release_index: int  # reward (from the group); trainer: oldest groups first
+    released_at_version: int  # reward (from the group); trainer: staleness check
+    attempt: str  # reward: which attempt was kept
+    prompt_tokens: list[int]  # reward; trainer: the prefix (versions -1)
+    completion_tokens: list[int]  # reward: concatenated segment tokens
+    logprobs: list[float]  # reward: behaviour logprob per completion token
+    versions: list[int]  # reward: policy version per completion token
+    finish_reason: FinishReason  # reward: finish reason of the last segment
+    num_segments: int  # reward; trainer: > 1 means the trajectory was interrupted
+    reward: float  # reward worker
+    reward_details: dict[str, str] = {}  # reward worker: verifier output, failures ("error", "timeout")
+    completion_text: str = ""  # reward worker: decoded completion, for humans and replay
+
+
+class WeightVersion(Message, kw_only=True):
+    """Topic `weights` (one partition), no key. Trainer -> rollout workers, prompt source."""
+
+    version: int  # trainer: number of optimizer steps behind these weights (0 = initial)
+    uri: str  # trainer: path of the safetensors file on shared storage; rollout loads it
+    content_hash: str  # trainer: sha256 of the file; rollout verifies it
+    step: int  # trainer: the step that produced the version
+    groups_consumed: int  # trainer: groups trained so far
+    groups_dropped: int  # trainer: groups dropped so far; source: widens the staleness window
+    final: bool = False  # trainer: no further versions follow; workers may stop
+
+
+class DroppedGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    prompt_id: str
+    reason: str  # e.g. "stale: released at v3, trainer at v8 > eta=4"
+
+
+class BatchManifest(Message, kw_only=True):
+    """Topic `batches`, key = step. Trainer -> replay, recovery. Written before the step."""
+
+    step: int  # trainer: the optimizer step this batch is for (produces version == step)
+    trainer_version: int  # trainer: version of the weights being updated (step - 1)
+    trajectory_ids: list[str]  # trainer: exactly the trajectories of this step
+    scored_offsets: list[tuple[int, int]]  # trainer: (partition, offset) in `scored` of each trajectory
+    consumed_offsets: list[tuple[int, int]]  # trainer: (partition, next offset) read so far
+    dropped: list[DroppedGroup] = []  # trainer: groups dropped since the previous manifest
+
+
+class DeadLetter(Message, kw_only=True):
+    """Topic `dead-letter`, key = origin. Any worker -> operators, replay."""
+
+    origin: str  # the worker id that gave up on the payload
+    source: str  # where the payload came from: a topic name or a dataset path
+    reason: str  # a human-readable error
+    payload: bytes = b""  # the original bytes (message value, or a dataset line)
+    partition: int = -1  # for a topic source
+    offset: int = -1  # for a topic source; a 1-based line number for a dataset
+
+
+TOPIC_MESSAGE: dict[str, type[Message]] = {
+    "prompts": PromptGroup,
+    "segments": Segment,
+    "scored": Scored,
+    "weights": WeightVersion,
+    "batches": BatchManifest,
+    "dead-letter": DeadLetter,
+}
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS = {cls: msgspec.msgpack.Decoder(cls) for cls in TOPIC_MESSAGE.values()}
+
+
+class DecodeError(ValueError):
+    """Bytes that are not a valid message of the expected type."""
+
+
+def encode(message: Message) -> bytes:
+    return _ENCODER.encode(message)
+
+
+M = TypeVar("M", bound=Message)
+
+
+def decode(data: bytes, cls: type[M]) -> M:
+    """Decode `data` as `cls`, or raise DecodeError saying what is wrong."""
+    try:
+        message = _DECODERS[cls].decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise DecodeError(f"not a valid {cls.__name__} message: {exc}") from exc
+    if message.schema_version != SCHEMA_VERSION:
+        raise DecodeError(
+            f"{cls.__name__} has schema_version {message.schema_version}, "
+            f"this build reads {SCHEMA_VERSION}"
+        )
+    return message

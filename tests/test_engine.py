@@ -1,0 +1,122 @@
+"""The embedded engine against Hugging Face reference computations on a tiny random Qwen2."""
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from workers.rollout.engine import Engine, SamplingParams
+
+torch.set_num_threads(1)
+
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11], [3, 1, 4, 1, 5]]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
+
+
+def tiny_model(seed: int) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=16, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128)
+    return Qwen2ForCausalLM(config).float().eval()
+
+
+@pytest.fixture
+def model() -> Qwen2ForCausalLM:
+    return tiny_model(0)
+
+
+def perturbed(model: Qwen2ForCausalLM) -> dict[str, torch.Tensor]:
+    """New weights far enough from the old ones to change greedy choices."""
+    g = torch.Generator().manual_seed(1)
+    return {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) if v.ndim > 1 else v.clone()
+            for k, v in model.state_dict().items()}
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                         min_new_tokens=n, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_matches_hf_generate(model):
+    seqs = Engine(model).generate(PROMPTS, GREEDY)
+    for prompt, seq in zip(PROMPTS, seqs):
+        assert seq.token_ids == hf_greedy(model, prompt, GREEDY.max_new_tokens)
+        assert seq.finish_reason == "length" and seq.versions == [0] * GREEDY.max_new_tokens
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.7])
+def test_behaviour_logprobs_match_full_forward(model, top_p):
+    params = SamplingParams(temperature=1.0, top_p=top_p, max_new_tokens=10)
+    seqs = Engine(model, seed=0).generate(PROMPTS, params)
+    for seq in seqs:
+        ids = torch.tensor([seq.prompt_ids + seq.token_ids])  # [1, T]
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0].float(), -1)  # [T, V]
+        n = len(seq.prompt_ids)
+        want = logp[n - 1:-1].gather(-1, torch.tensor(seq.token_ids)[:, None]).squeeze(-1)  # [new]
+        torch.testing.assert_close(torch.tensor(seq.logprobs), want, atol=1e-4, rtol=0)
+
+
+def test_seed_reproducible(model):
+    params = SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=8)
+    a = Engine(model, seed=3).generate(PROMPTS, params)
+    b = Engine(model, seed=3).generate(PROMPTS, params)
+    assert [s.token_ids for s in a] == [s.token_ids for s in b]
+
+
+def test_interruption_continues_like_fresh_engine_with_new_weights(model):
+    engine = Engine(model, version=0)
+    seqs = [engine.submit(f"s{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+    for _ in range(5):
+        engine.step()
+    new_weights = perturbed(model)
+    engine.update_weights(new_weights, version=1)
+    while not engine.idle():
+        engine.step()
+
+    fresh = Engine(tiny_model(0), version=1)
+    fresh.model.load_state_dict(new_weights)
+    for seq in seqs:
+        ref = fresh.generate([seq.prompt_ids + seq.token_ids[:5]], SamplingParams(temperature=0.0, max_new_tokens=7))[0]
+        assert seq.token_ids[5:] == ref.token_ids
+        assert seq.versions == [0] * 5 + [1] * 7
+    old = Engine(tiny_model(0)).generate(PROMPTS, GREEDY)
+    assert any(s.token_ids != o.token_ids for s, o in zip(seqs, old))  # the update did change the policy
+
+
+def test_admission_mid_flight_does_not_change_others(model):
+    alone = Engine(model).generate(PROMPTS[:2], GREEDY)
+    engine = Engine(model)
+    first = [engine.submit(f"a{i}", p, GREEDY) for i, p in enumerate(PROMPTS[:2])]
+    engine.step()
+    engine.step()
+    later = [engine.submit(f"b{i}", p, SamplingParams(temperature=0.0, max_new_tokens=20))
+             for i, p in enumerate(PROMPTS[2:])]
+    while not engine.idle():
+        engine.step()
+    assert [s.token_ids for s in first] == [s.token_ids for s in alone]
+    for seq in later:
+        assert seq.token_ids == hf_greedy(model, seq.prompt_ids, 20)
+
+
+def test_finish_reasons_and_max_batch(model):
+    engine = Engine(model, max_batch=2)
+    free = Engine(model).generate([PROMPTS[1]], GREEDY)[0].token_ids
+    stop_at = free[3]
+    first_stop = free.index(stop_at)
+    stop_params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop_at,))
+    stopped = engine.submit("stop", PROMPTS[1], stop_params)
+    short = engine.submit("short", PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=2))
+    queued = [engine.submit(f"q{i}", p, SamplingParams(max_new_tokens=3)) for i, p in enumerate(PROMPTS)]
+    assert len(engine.running()) == 6
+    done = []
+    while not engine.idle():
+        done += engine.step()
+        assert len(engine.rows) <= 2
+    assert sorted(s.key for s in done) == sorted(s.key for s in [stopped, short, *queued])
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free[:first_stop + 1]
+    assert short.finish_reason == "length" and len(short.token_ids) == 2
+    assert all(s.finish_reason in ("stop", "length") and len(s.token_ids) <= 3 for s in queued)
+    with pytest.raises(ValueError):
+        engine.submit("bad", [1], SamplingParams(top_p=0.0))

@@ -1,0 +1,30 @@
+from workers.staleness import admissible, may_release
+
+
+def test_release_window_is_eta_plus_one_batches_ahead():
+    # B = 8, eta = 4, version 0: groups 0..39 may be released, the 41st may not
+    assert may_release(39, version=0, batch_groups=8, max_staleness=4, dropped=0)
+    assert not may_release(40, version=0, batch_groups=8, max_staleness=4, dropped=0)
+    # each new version opens one batch more
+    assert may_release(40, version=1, batch_groups=8, max_staleness=4, dropped=0)
+    assert not may_release(48, version=1, batch_groups=8, max_staleness=4, dropped=0)
+
+
+def test_dropped_groups_free_their_slots():
+    assert not may_release(40, version=0, batch_groups=8, max_staleness=4, dropped=0)
+    assert may_release(42, version=0, batch_groups=8, max_staleness=4, dropped=3)
+    assert not may_release(43, version=0, batch_groups=8, max_staleness=4, dropped=3)
+
+
+def test_eta_zero_is_synchronous():
+    # only the batch of the current version may be out
+    assert may_release(7, version=0, batch_groups=8, max_staleness=0, dropped=0)
+    assert not may_release(8, version=0, batch_groups=8, max_staleness=0, dropped=0)
+    assert may_release(8, version=1, batch_groups=8, max_staleness=0, dropped=0)
+
+
+def test_admission_at_training_time():
+    assert admissible(trainer_version=8, released_at_version=4, max_staleness=4)
+    assert not admissible(trainer_version=9, released_at_version=4, max_staleness=4)
+    assert admissible(trainer_version=3, released_at_version=3, max_staleness=0)
+    assert not admissible(trainer_version=4, released_at_version=3, max_staleness=0)

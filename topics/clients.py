@@ -1,0 +1,160 @@
+"""aiokafka producers and consumers configured the same way for every worker.
+
+Settings that hold on Apache Kafka and on Tansu alike: no idempotent or
+transactional producer (Tansu has no InitProducerId; the pipeline deduplicates
+by id instead), manual commits only, and size limits raised so that large
+messages pass. Create clients inside a coroutine (aiokafka binds them to the
+running loop) and only after `ensure_topics`: Tansu silently creates any topic
+a client asks metadata for, with four partitions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka.structs import RecordMetadata
+
+from schemas.messages import Message, encode
+
+# The largest record a client sends or accepts (a topic's max.message.bytes too).
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+SCHEMA_HEADER = "schema"
+TRACEPARENT_HEADER = "traceparent"
+
+Key = str | int | bytes | None
+Headers = Mapping[str, str | bytes]
+
+_FETCH_LIMITS: dict[str, Any] = {
+    "fetch_max_bytes": MAX_MESSAGE_BYTES,
+    "max_partition_fetch_bytes": MAX_MESSAGE_BYTES,
+}
+
+
+def make_producer(bootstrap: str, **overrides: Any) -> AIOKafkaProducer:
+    """A producer (not started: use `async with`) that waits for acks=all."""
+    settings: dict[str, Any] = {
+        "bootstrap_servers": bootstrap,
+        "acks": "all",
+        "enable_idempotence": False,
+        "max_request_size": MAX_MESSAGE_BYTES,
+    }
+    return AIOKafkaProducer(**(settings | overrides))
+
+
+async def send(
+    producer: AIOKafkaProducer,
+    topic: str,
+    message: Message,
+    *,
+    key: Key = None,
+    headers: Headers | None = None,
+) -> asyncio.Future[RecordMetadata]:
+    """Queue `message`; await the returned future for its delivery.
+
+    Queueing many before awaiting lets the producer put them in one batch.
+    The struct's name travels in the `schema` header, next to `headers`
+    (e.g. the W3C `traceparent`).
+    """
+    record_headers = [(SCHEMA_HEADER, type(message).__name__.encode())]
+    record_headers += [(name, _as_bytes(value)) for name, value in (headers or {}).items()]
+    return await producer.send(
+        topic,
+        encode(message),
+        key=None if key is None else _as_bytes(key),
+        headers=record_headers,
+    )
+
+
+async def send_and_wait(
+    producer: AIOKafkaProducer,
+    topic: str,
+    message: Message,
+    *,
+    key: Key = None,
+    headers: Headers | None = None,
+) -> RecordMetadata:
+    """`send`, then wait until the broker has the record."""
+    return await (await send(producer, topic, message, key=key, headers=headers))
+
+
+def header(record: ConsumerRecord, name: str) -> str | None:
+    """The value of header `name` of a consumed record, decoded as UTF-8."""
+    return next((value.decode() for key, value in record.headers if key == name), None)
+
+
+def make_group_consumer(
+    bootstrap: str, topic: str, group_id: str, **overrides: Any
+) -> AIOKafkaConsumer:
+    """A consumer (not started: use `async with`) sharing `topic` with its group.
+
+    For roles whose workers come and go. Nothing is committed unless the
+    worker calls `commit()`; a group with no commit starts at the beginning.
+    Joining a group takes seconds (about half the session timeout on Tansu).
+    """
+    settings: dict[str, Any] = {
+        "bootstrap_servers": bootstrap,
+        "group_id": group_id,
+        "enable_auto_commit": False,
+        "auto_offset_reset": "earliest",
+        **_FETCH_LIMITS,
+    }
+    return AIOKafkaConsumer(topic, **(settings | overrides))
+
+
+@asynccontextmanager
+async def assigned_consumer(
+    bootstrap: str,
+    topic: str,
+    start_offsets: Mapping[int, int] | None = None,
+    **overrides: Any,
+) -> AsyncIterator[AIOKafkaConsumer]:
+    """A consumer of every partition of `topic`, in no group, started and positioned.
+
+    For a single reader (the trainer, replay): no group join to wait for.
+    Partitions in `start_offsets` start at the offset given, the others at the
+    beginning. No silent rewind: on Apache Kafka a position past the end raises
+    OffsetOutOfRangeError on fetch (Tansu returns nothing there). Raises
+    LookupError if `topic` does not exist.
+    """
+    settings: dict[str, Any] = {
+        "bootstrap_servers": bootstrap,
+        "enable_auto_commit": False,
+        "auto_offset_reset": "none",
+        **_FETCH_LIMITS,
+    }
+    consumer = AIOKafkaConsumer(**(settings | overrides))
+    await consumer.start()
+    try:
+        partitions = [TopicPartition(topic, p) for p in await _partitions_of(consumer, topic)]
+        offsets = dict(start_offsets or {})
+        unknown = set(offsets) - {tp.partition for tp in partitions}
+        if unknown:
+            raise ValueError(f"topic {topic!r} has no partitions {sorted(unknown)}")
+        consumer.assign(partitions)
+        for tp in partitions:
+            if tp.partition in offsets:
+                consumer.seek(tp, offsets[tp.partition])
+        from_beginning = [tp for tp in partitions if tp.partition not in offsets]
+        if from_beginning:
+            await consumer.seek_to_beginning(*from_beginning)
+        yield consumer
+    finally:
+        await consumer.stop()
+
+
+async def _partitions_of(consumer: AIOKafkaConsumer, topic: str) -> list[int]:
+    # Listing all topics names none, so Tansu creates nothing by accident.
+    if topic not in await consumer.topics():
+        raise LookupError(f"topic {topic!r} does not exist (run ensure_topics first)")
+    return sorted(consumer.partitions_for_topic(topic) or ())
+
+
+def _as_bytes(value: str | int | bytes) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    return str(value).encode()

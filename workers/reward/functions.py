@@ -1,0 +1,56 @@
+"""Reward functions: the built-in verifiers and the user's own, by import path.
+
+A reward function is `fn(prompt: str, completion: str, metadata: dict[str, str])`
+returning a float, or `(float, details: dict)`. `metadata` holds the row's fields
+plus "answer". This module runs inside the scoring processes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Any, Callable
+
+from workers import builtin_task
+
+RewardFn = Callable[[str, str, dict[str, str]], Any]
+
+
+def builtin(prompt: str, completion: str, metadata: dict[str, str]) -> float:
+    return builtin_task.score(completion, metadata["answer"])
+
+
+def math_answer(prompt: str, completion: str, metadata: dict[str, str]) -> tuple[float, dict[str, str]]:
+    """1.0 when math-verify finds the completion's final answer equal to the reference."""
+    from math_verify import parse, verify
+
+    gold, predicted = parse(metadata["answer"]), parse(completion)
+    return (1.0 if gold and predicted and verify(gold, predicted) else 0.0), {"parsed": str(predicted[:1])}
+
+
+def load(spec: str) -> RewardFn:
+    """'builtin', 'math', or 'package.module:function'."""
+    if spec == "builtin":
+        return builtin
+    if spec == "math":
+        return math_answer
+    module_name, _, attribute = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"reward function {spec!r} cannot be loaded: {exc}") from exc
+    if not callable(fn):
+        raise ValueError(f"reward function {spec!r} is not callable")
+    return fn
+
+
+def normalise(result: Any) -> tuple[float, dict[str, str]]:
+    """A user's return value as (finite reward, string details), or ValueError saying why not."""
+    details: dict = {}
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
+        result, details = result
+    if isinstance(result, bool) or not isinstance(result, (int, float)):
+        raise ValueError(f"reward must be a number or (number, dict), got {type(result).__name__}")
+    if not math.isfinite(result):
+        raise ValueError(f"reward must be finite, got {result}")
+    return float(result), {str(k): str(v) for k, v in details.items()}

@@ -1,0 +1,169 @@
+"""The rollout worker: prompt groups -> version-tagged segments, never waiting for training.
+
+Between two decode steps it looks at `weights`: on a newer version it emits what
+every in-flight sequence generated since its last segment (finish reason
+`interrupted`), loads the new weights in place and lets the engine recompute the
+KV cache of every unfinished prefix. With `rollout.interrupt=false` it instead
+stops admitting, lets in-flight sequences finish on the old weights, then loads.
+A prompt's offset is committed only once all of its trajectories are emitted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+from aiokafka import TopicPartition
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from schemas.config import RunConfig
+from schemas.messages import PromptGroup, Segment, WeightVersion
+from topics.clients import assigned_consumer, make_group_consumer, make_producer, send
+from topics.commits import CommitTracker
+from topics.dead_letter import decode_or_dead_letter
+from workers import runtime
+from workers.rollout.engine import Engine, SamplingParams, Sequence
+from workers.weights import read_version
+
+
+@dataclass
+class InFlight:
+    """One prompt group being generated, and where its record sits in `prompts`."""
+
+    group: PromptGroup
+    tp: TopicPartition
+    offset: int
+    unfinished: int
+    attempts: dict[str, str] = field(default_factory=dict)  # trajectory id -> attempt id
+    segments_sent: dict[str, int] = field(default_factory=dict)  # trajectory id -> segments emitted
+    tokens_sent: dict[str, int] = field(default_factory=dict)  # trajectory id -> tokens emitted
+
+
+class Rollout:
+    def __init__(self, config: RunConfig, me: str, producer, topic: str):
+        self.me, self.producer, self.topic = me, producer, topic
+        device = torch.device(config.model.device)
+        model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32).to(device).eval()
+        eos = AutoTokenizer.from_pretrained(config.model.path).eos_token_id
+        self.engine = Engine(model, max_batch=config.rollout.max_batch, version=0, seed=config.seed)
+        cfg = config.rollout
+        self.params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, (eos,) if eos is not None else ())
+        self.groups: dict[str, InFlight] = {}  # prompt id -> group
+        self.counter = itertools.count()
+        self.interrupted = 0
+
+    async def start(self, flight: InFlight) -> bool:
+        """Submit the group's samples; a prompt the engine refuses ends as `error` segments.
+
+        False when nothing is left to generate: the refused prompt, or a redelivered
+        group already in flight here.
+        """
+        if flight.group.prompt_id in self.groups:
+            return False
+        self.groups[flight.group.prompt_id] = flight
+        keys = [f"{flight.group.prompt_id}/{sample}" for sample in range(flight.group.n_samples)]
+        for key in keys:
+            flight.attempts[key] = f"{self.me}:{next(self.counter)}"
+        try:  # the engine checks the prompt, so only the first submit can fail
+            for key in keys:
+                self.engine.submit(key, flight.group.prompt_tokens, self.params)
+        except ValueError as exc:
+            for key in keys:
+                await send(self.producer, self.topic, Segment(
+                    trajectory_id=key, attempt=flight.attempts[key], segment_index=0, version=self.engine.version,
+                    token_ids=[], logprobs=[], finish_reason="error", worker_id=self.me, group=flight.group, error=str(exc),
+                ), key=key)
+            del self.groups[flight.group.prompt_id]
+            return False
+        return True
+
+    async def emit(self, seq: Sequence, finish_reason: str) -> InFlight:
+        """Send the tokens of `seq` generated since its last segment; returns its group."""
+        flight = self.groups[seq.key.rsplit("/", 1)[0]]
+        index, start = flight.segments_sent.get(seq.key, 0), flight.tokens_sent.get(seq.key, 0)
+        await send(self.producer, self.topic, Segment(
+            trajectory_id=seq.key, attempt=flight.attempts[seq.key], segment_index=index,
+            version=seq.versions[start] if start < len(seq.versions) else self.engine.version,
+            token_ids=seq.token_ids[start:], logprobs=seq.logprobs[start:], finish_reason=finish_reason,
+            worker_id=self.me, group=flight.group if index == 0 else None,
+        ), key=seq.key)
+        flight.segments_sent[seq.key], flight.tokens_sent[seq.key] = index + 1, len(seq.token_ids)
+        return flight
+
+    async def update_weights(self, announced: WeightVersion) -> None:
+        """Interrupt: emit partial segments, load the version, recompute caches (in the engine)."""
+        state_dict = await asyncio.to_thread(read_version, announced.uri)
+        for seq in self.engine.running():
+            if len(seq.token_ids) > self.groups[seq.key.rsplit("/", 1)[0]].tokens_sent.get(seq.key, 0):
+                await self.emit(seq, "interrupted")
+                self.interrupted += 1
+        self.engine.update_weights(state_dict, announced.version)
+
+    async def step(self) -> list[InFlight]:
+        """One decode step; returns groups whose trajectories are now all emitted."""
+        done = []
+        for seq in await asyncio.to_thread(self.engine.step):
+            flight = await self.emit(seq, seq.finish_reason or "length")
+            flight.unfinished -= 1
+            if flight.unfinished == 0:
+                done.append(self.groups.pop(flight.group.prompt_id))
+        return done
+
+
+async def main(config: RunConfig, stop: asyncio.Event) -> None:
+    me = runtime.worker_id("rollout")
+    log = runtime.configure_logging(runtime.run_dir(config) / "logs" / f"{me}.jsonl")
+    torch.set_num_threads(config.rollout.threads)
+    layout, bootstrap = runtime.topic_layout(config), runtime.bootstrap(config)
+    dead_letter = layout.name("dead-letter")
+    async with (
+        make_producer(bootstrap, linger_ms=5) as producer,
+        make_group_consumer(bootstrap, layout.name("prompts"), f"{layout.prefix}rollout", max_poll_records=64) as prompts,
+        assigned_consumer(bootstrap, layout.name("weights")) as weights,
+    ):
+        rollout = Rollout(config, me, producer, layout.name("segments"))
+        commits, waiting, latest = CommitTracker(), [], None
+        log.info("rollout started", max_batch=config.rollout.max_batch, interrupt=config.rollout.interrupt)
+        last_commit = time.monotonic()
+        while not stop.is_set():
+            for record in (await weights.getmany(timeout_ms=0)).get(TopicPartition(layout.name("weights"), 0), []):
+                announced = await decode_or_dead_letter(record, WeightVersion, producer, dead_letter_topic=dead_letter, origin=me)
+                if announced and (latest is None or announced.version > latest.version):
+                    latest = announced
+            new_version = latest is not None and latest.version > rollout.engine.version
+            if new_version and (config.rollout.interrupt or rollout.engine.idle()):
+                try:
+                    await rollout.update_weights(latest)
+                    log.info("weights loaded", version=latest.version)
+                except FileNotFoundError:
+                    log.warning("weights already deleted, waiting for a newer version", version=latest.version)
+                if latest.final:
+                    break
+            busy = not rollout.engine.idle()
+            for tp, records in (await prompts.getmany(timeout_ms=0 if busy or waiting else 50)).items():
+                for record in records:
+                    commits.started(tp, record.offset)
+                    group = await decode_or_dead_letter(record, PromptGroup, producer, dead_letter_topic=dead_letter, origin=me)
+                    if group is None:
+                        commits.finished(tp, record.offset)
+                    else:
+                        waiting.append(InFlight(group, tp, record.offset, unfinished=group.n_samples))
+            admit_now = not (new_version and not config.rollout.interrupt)
+            ready = [f for f in waiting if admit_now and f.group.released_at_version <= rollout.engine.version]
+            for flight in ready:
+                waiting.remove(flight)
+                if not await rollout.start(flight):
+                    commits.finished(flight.tp, flight.offset)
+            if rollout.engine.idle():
+                await asyncio.sleep(0.005)
+                continue
+            for flight in await rollout.step():
+                commits.finished(flight.tp, flight.offset)
+            if time.monotonic() - last_commit > 0.5 and (offsets := commits.to_commit()):
+                await producer.flush()  # everything emitted is on the broker before its prompt is committed
+                await prompts.commit(offsets)
+                last_commit = time.monotonic()
+        log.info("rollout finished", version=rollout.engine.version, interrupted_segments=rollout.interrupted)

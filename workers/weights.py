@@ -1,0 +1,61 @@
+"""Weights on shared storage: written whole, made visible by atomic rename, then announced.
+
+Tied parameters (e.g. embeddings shared with the LM head) are stored once; loading
+restores them through the module, since both names point at one tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+def unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """state_dict on CPU with every shared storage kept under its first name only."""
+    seen: set[int] = set()
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        tensors[name] = tensor.detach().to("cpu").contiguous()
+    return tensors
+
+
+def version_path(weights_dir: Path, version: int) -> Path:
+    return weights_dir / f"v{version:06d}.safetensors"
+
+
+def write_version(model: torch.nn.Module, weights_dir: Path, version: int, keep: int) -> tuple[Path, str]:
+    """Write version `version` atomically; delete all but the newest `keep`. Returns (path, hash)."""
+    weights_dir.mkdir(parents=True, exist_ok=True)
+    final = version_path(weights_dir, version)
+    partial = final.with_suffix(".partial")
+    save_file(unique_state_dict(model), str(partial), metadata={"version": str(version)})
+    digest = hashlib.blake2b(partial.read_bytes(), digest_size=16).hexdigest()
+    os.replace(partial, final)
+    for old in sorted(weights_dir.glob("v*.safetensors"))[:-keep]:
+        old.unlink(missing_ok=True)
+    return final, digest
+
+
+def read_version(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of one version (raises FileNotFoundError once it was deleted)."""
+    return load_file(str(path))
+
+
+def load_into(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy weights in place; only names tied to a loaded tensor may be absent."""
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    tied = {name for name in missing if _is_tied(model, name, state_dict)}
+    if unexpected or set(missing) - tied:
+        raise ValueError(f"weights do not match the model: missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
+
+
+def _is_tied(model: torch.nn.Module, name: str, state_dict: dict[str, torch.Tensor]) -> bool:
+    params = model.state_dict()
+    return any(params[name].data_ptr() == params[other].data_ptr() for other in state_dict if other in params)
