@@ -38,7 +38,13 @@ def split_config_and_overrides(config: str | None, overrides: list[str]) -> tupl
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    stray = [word for word in extra if word.startswith("-") or "=" not in word]
+    if stray or (extra and args.command == "broker"):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:  # overrides written after an option, e.g. `run --no-progress trainer.lr=1e-4`
+        args.overrides = [*args.overrides, *extra]
     from pipeline.config import ConfigError, explain, load_config, to_yaml
 
     try:

@@ -1,0 +1,157 @@
+"""The whole pipeline, as users run it: `asyncrl run` in a subprocess, one process per
+worker, on the real broker; every assertion is read back from the topics themselves."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from schemas.messages import BatchManifest, PromptGroup, Scored, Segment, WeightVersion
+from topics.readers import read_topic
+
+pytestmark = pytest.mark.e2e
+
+STEPS, GROUPS, SAMPLES = 10, 4, 4
+# A model without warm-up rarely emits its end token, so sequences run to
+# max_new_tokens and new weights arrive while many are in flight.
+SMALL_RUN = [
+    f"trainer.steps={STEPS}", f"trainer.batch_groups={GROUPS}", f"data.n_samples={SAMPLES}",
+    "trainer.warmup_steps=0", "rollout.max_new_tokens=12", "eval.every=0", "trainer.checkpoint_every=5",
+]
+
+
+def run_pipeline(tmp_path: Path, bootstrap: str, prefix: str, *overrides: str) -> Path:
+    command = [sys.executable, "-m", "pipeline.cli", "run", *SMALL_RUN, f"runs_dir={tmp_path}",
+               f"broker.bootstrap={bootstrap}", f"broker.topic_prefix={prefix}", "--no-progress", *overrides]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return (tmp_path / "latest").resolve()
+
+
+async def read(bootstrap: str, topic: str, cls) -> list:
+    records = await read_topic(bootstrap, topic, cls)
+    assert all(isinstance(r.message, cls) for r in records), f"undecodable record on {topic}"
+    return records
+
+
+async def trained_view(bootstrap: str, prefix: str):
+    """(manifests, trained Scored by trajectory id, released groups by prompt id)."""
+    manifests = [r.message for r in await read(bootstrap, prefix + "batches", BatchManifest)]
+    scored = {(r.partition, r.offset): r.message for r in await read(bootstrap, prefix + "scored", Scored)}
+    released = {r.message.prompt_id: r.message for r in await read(bootstrap, prefix + "prompts", PromptGroup)}
+    trained = {}
+    for manifest in manifests:
+        for trajectory_id, where in zip(manifest.trajectory_ids, manifest.scored_offsets):
+            assert scored[tuple(where)].trajectory_id == trajectory_id, "manifest offset points at another trajectory"
+            trained.setdefault(trajectory_id, []).append((manifest, scored[tuple(where)]))
+    return manifests, trained, released
+
+
+async def test_async_pipeline_end_to_end(broker, tmp_path, unique_name):
+    prefix, eta = unique_name("async") + ".", 4
+    run_dir = run_pipeline(tmp_path, broker.bootstrap, prefix, f"trainer.max_staleness={eta}")
+    manifests, trained, released = await trained_view(broker.bootstrap, prefix)
+
+    assert sorted(m.step for m in manifests) == list(range(1, STEPS + 1))
+    # no (prompt, sample) trained twice
+    assert all(len(uses) == 1 for uses in trained.values())
+    assert len(trained) == STEPS * GROUPS * SAMPLES
+    for trajectory_id, [(manifest, scored)] in trained.items():
+        group = released[scored.prompt_id]
+        # every trained completion token carries a behaviour logprob and a version
+        assert len(scored.completion_tokens) == len(scored.logprobs) == len(scored.versions) > 0
+        assert all(math.isfinite(lp) and lp <= 0 for lp in scored.logprobs)
+        assert all(group.released_at_version <= v <= manifest.trainer_version for v in scored.versions)
+        # no trajectory trained at version v was released before version v - eta
+        assert manifest.trainer_version - group.released_at_version <= eta
+        assert scored.prompt_tokens == group.prompt_tokens
+    # interruption happened: some trained trajectory holds tokens of two versions
+    assert any(len(set(s.versions)) > 1 for [(_, s)] in trained.values())
+    # every released group was trained or recorded as dropped with a reason
+    trained_groups = {tid.rsplit("/", 1)[0] for tid in trained}
+    dropped = {d.prompt_id: d.reason for m in manifests for d in m.dropped}
+    assert all(reason for reason in dropped.values())
+    assert set(released) == trained_groups | set(dropped)
+
+    # the segments behind the trained tokens carry the same versions, segment by segment
+    segments = [r.message for r in await read(broker.bootstrap, prefix + "segments", Segment)]
+    by_attempt = {}
+    for seg in segments:
+        by_attempt.setdefault((seg.trajectory_id, seg.attempt), {})[seg.segment_index] = seg
+    for trajectory_id, [(_, scored)] in trained.items():
+        parts = by_attempt[(trajectory_id, scored.attempt)]
+        assert [v for i in sorted(parts) for v in [parts[i].version] * len(parts[i].token_ids)] == scored.versions
+
+    weights = [r.message for r in await read(broker.bootstrap, prefix + "weights", WeightVersion)]
+    assert max(w.version for w in weights) == STEPS and any(w.final for w in weights)
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["outcome"] == "finished"
+    assert summary["interrupted_trajectories"] > 0
+    assert summary["max_staleness_trained"] <= eta
+    for artifact in ("curves.png", "metrics.jsonl", "config.yaml", "tensorboard"):
+        assert (run_dir / artifact).exists(), artifact
+    assert {p.name.split("-")[0] for p in (run_dir / "logs").glob("*.jsonl")} == {"trainer", "reward", "rollout", "prompts"}
+
+
+async def test_eta_zero_is_synchronous(broker, tmp_path, unique_name):
+    prefix = unique_name("sync") + "."
+    run_pipeline(tmp_path, broker.bootstrap, prefix, "trainer.max_staleness=0", f"trainer.steps={STEPS // 2}")
+    manifests, trained, released = await trained_view(broker.bootstrap, prefix)
+    assert len(manifests) == STEPS // 2 and len(trained) == STEPS // 2 * GROUPS * SAMPLES
+    for [(manifest, scored)] in trained.values():
+        # every trained token was generated by the version being trained
+        assert set(scored.versions) == {manifest.trainer_version}
+        assert released[scored.prompt_id].released_at_version == manifest.trainer_version
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Live (non-zombie) processes whose command line contains `text`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    """SIGINT to `asyncrl run` (what Ctrl-C sends) leaves no worker and no broker behind."""
+    command = [sys.executable, "-m", "pipeline.cli", "run", *SMALL_RUN, "trainer.steps=1000",
+               f"runs_dir={tmp_path}", "--no-progress"]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        metrics = tmp_path / "latest" / "metrics.jsonl"
+        while not (metrics.exists() and '"trainer"' in metrics.read_text()):
+            assert time.monotonic() < deadline and launcher.poll() is None, "the run never made a step"
+            time.sleep(0.5)
+        run_dir = str((tmp_path / "latest").resolve())
+        assert len(_processes_mentioning(run_dir)) >= 4  # the workers are up, with the run's config
+        launcher.send_signal(signal.SIGINT)
+        launcher.wait(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    time.sleep(0.5)
+    assert _processes_mentioning(run_dir) == []
+    bootstrap = yaml.safe_load(Path(run_dir, "config.yaml").read_text())["broker"]["bootstrap"]
+    assert _processes_mentioning(f"tcp://{bootstrap}") == []  # the run's own embedded broker
+    summary = json.loads(Path(run_dir, "summary.json").read_text())
+    assert summary["outcome"] == "interrupted"
