@@ -39,9 +39,8 @@ class ScoringPool:
     async def score(self, prompt: str, completion: str, metadata: dict[str, str]) -> tuple[float | None, dict[str, str]]:
         """(reward, details), or (None, details with the failure) on an exception or a timeout."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout_s
-        while True:
-            generation, done = self._generation, loop.create_future()
+        while True:  # a call caught in a restart gets a fresh submission and a fresh time limit
+            generation, done, deadline = self._generation, loop.create_future(), loop.time() + self.timeout_s
 
             def resolve(outcome, done=done):
                 loop.call_soon_threadsafe(lambda: done.done() or done.set_result(outcome))

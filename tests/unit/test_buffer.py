@@ -1,0 +1,66 @@
+"""The trainer's admission rules: at most once, whole groups, oldest first, stale groups dropped."""
+
+from schemas.messages import Scored
+from workers.trainer.buffer import GroupBuffer
+
+
+def scored(prompt_id: str, sample: int, release_index: int = 0, version: int = 0, n: int = 2) -> Scored:
+    return Scored(
+        trajectory_id=f"{prompt_id}/{sample}", prompt_id=prompt_id, sample_index=sample, n_samples=n,
+        release_index=release_index, released_at_version=version, attempt="w:0", prompt_tokens=[1],
+        completion_tokens=[2], logprobs=[-0.5], versions=[version], finish_reason="stop", num_segments=1, reward=1.0,
+    )
+
+
+def fill(buffer: GroupBuffer, prompt_id: str, release_index: int, version: int = 0) -> None:
+    for sample in range(2):
+        buffer.add(scored(prompt_id, sample, release_index, version), (0, release_index * 2 + sample))
+
+
+def test_a_trajectory_is_accepted_once():
+    buffer = GroupBuffer()
+    assert buffer.add(scored("p", 0), (0, 0))
+    assert not buffer.add(scored("p", 0), (0, 1))  # delivered twice
+    buffer.add(scored("p", 1), (0, 2))
+    [group], _ = buffer.take(1, trainer_version=0, max_staleness=0)
+    assert [s.trajectory_id for s, _ in group.trajectories()] == ["p/0", "p/1"]
+    assert not buffer.add(scored("p", 0), (0, 3))  # already trained
+
+
+def test_only_complete_groups_oldest_first():
+    buffer = GroupBuffer()
+    fill(buffer, "newer", release_index=5)
+    buffer.add(scored("incomplete", 0, release_index=0), (0, 99))
+    fill(buffer, "older", release_index=3)
+    batch, dropped = buffer.take(2, trainer_version=0, max_staleness=4)
+    assert [g.prompt_id for g in batch] == ["older", "newer"] and dropped == []
+    assert buffer.take(1, trainer_version=0, max_staleness=4) == ([], [])  # "incomplete" waits
+
+
+def test_no_batch_until_enough_groups():
+    buffer = GroupBuffer()
+    fill(buffer, "a", 0)
+    assert buffer.take(2, trainer_version=0, max_staleness=0) == ([], [])
+    fill(buffer, "b", 1)
+    assert len(buffer.take(2, trainer_version=0, max_staleness=0)[0]) == 2
+
+
+def test_stale_groups_are_dropped_with_a_reason():
+    buffer = GroupBuffer()
+    fill(buffer, "stale", 0, version=1)
+    fill(buffer, "fresh", 1, version=4)
+    batch, dropped = buffer.take(1, trainer_version=6, max_staleness=4)
+    assert [g.prompt_id for g in batch] == ["fresh"]
+    assert [d.prompt_id for d in dropped] == ["stale"] and "staleness 5 > max_staleness 4" in dropped[0].reason
+    assert not buffer.add(scored("stale", 0, 0, 1), (0, 50))  # a dropped group stays dropped
+
+
+def test_exact_rebuild_and_resume_positions():
+    buffer = GroupBuffer(done_trajectories={"old/0", "old/1"})
+    assert not buffer.add(scored("old", 0), (0, 0))
+    fill(buffer, "x", 2)
+    fill(buffer, "y", 3)
+    assert buffer.oldest_positions() == {0: 4}
+    assert buffer.take_exact(["y/0", "z/0"]) is None  # z not here yet
+    [group] = buffer.take_exact(["y/0", "y/1"])
+    assert group.prompt_id == "y" and buffer.oldest_positions() == {0: 4}
