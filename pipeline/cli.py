@@ -19,6 +19,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--explain", action="store_true", help="with --dry-run: list every field with its description")
     run.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
 
+    prepare = commands.add_parser("prepare", help="make the model, topics and runs/<name>/config.yaml for a deployment")
+    prepare.add_argument("config", nargs="?", help="YAML run config (default: the built-in demo)")
+    prepare.add_argument("overrides", nargs="*", help="dotted overrides; broker.bootstrap is required")
+
     worker = commands.add_parser("worker", help="run one worker process (what compose and Slurm start)")
     worker.add_argument("role", choices=ROLES)
     worker.add_argument("--config", required=True, help="the resolved run config (runs/<name>/config.yaml)")
@@ -60,6 +64,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         path, overrides = split_config_and_overrides(args.config, args.overrides)
         config = load_config(path or default_config(), overrides)
+        if args.command == "prepare":
+            from pipeline.launch import prepare
+
+            if not config.broker.bootstrap:
+                raise ConfigError("prepare needs broker.bootstrap=HOST:PORT (the broker the workers will use)")
+
+            print(prepare(config)[1])
+            return 0
         if args.dry_run:
             print(explain() if args.explain else to_yaml(config), end="")
             return 0

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import msgspec
 
-from pipeline.config import save_config
+from pipeline.config import load_config, save_config
 from schemas.config import RunConfig
 from workers import runtime
 
@@ -82,48 +82,62 @@ class WorkerProcess:
         return f"{self.role}-{self.index}"
 
 
-def prepare_run(config: RunConfig) -> tuple[RunConfig, Path]:
-    """A fresh run directory `<runs_dir>/<name>-<time>` linked as `<runs_dir>/latest`."""
+def new_run_dir(config: RunConfig) -> RunConfig:
+    """A fresh name `<name>-<time>` under runs_dir, linked as `<runs_dir>/latest`."""
     runs = Path(config.runs_dir).resolve()
     name = f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     while (runs / name).exists():
         name += "x"
-    run_dir = runs / name
-    (run_dir / "logs").mkdir(parents=True)
+    (runs / name).mkdir(parents=True)
     latest = runs / "latest"
     latest.unlink(missing_ok=True)
     latest.symlink_to(name)
-    return msgspec.structs.replace(config, name=name, runs_dir=str(runs)), run_dir
+    return msgspec.structs.replace(config, name=name, runs_dir=str(runs))
 
 
-def run_pipeline(config: RunConfig, progress: bool = True) -> int:
-    from pipeline import monitor
-    from pipeline.evaluate import Evaluator
+def prepare(config: RunConfig, progress: bool = True) -> tuple[RunConfig, Path]:
+    """Everything workers need before they start: the model, the topics, `config.yaml`.
+
+    Idempotent for deployments (compose, Slurm): a run directory that already has
+    its config.yaml is reused as it is. Returns the resolved config and its path.
+    """
     from topics.admin import ensure_topics
-    from topics.broker import EmbeddedBroker
 
-    started = time.time()
-    config, run_dir = prepare_run(config)
-    print(f"asyncrl: run directory {run_dir}", file=sys.stderr)
+    run_dir = Path(config.runs_dir).resolve() / config.name
+    config_path = run_dir / "config.yaml"
+    if config_path.exists():
+        return load_config(config_path), config_path
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    config = msgspec.structs.replace(config, runs_dir=str(run_dir.parent))
     if not config.model.path:
         from pipeline.demo_model import prepare_demo_model
 
         model_dir = prepare_demo_model(run_dir / "model", seed=config.seed, task_seed=config.seed,
                                        steps=config.trainer.warmup_steps, progress=progress)
         config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=str(model_dir)))
-    evaluator = Evaluator.for_config(config)
-    base_accuracy = evaluator.accuracy() if evaluator else None
+    layout = runtime.topic_layout(config)
+    asyncio.run(ensure_topics(runtime.bootstrap(config), layout.names, layout.partitions))
+    save_config(config, config_path)
+    return config, config_path
 
-    broker = None
-    if not config.broker.bootstrap:
-        broker = EmbeddedBroker(run_dir / "broker.log").start()
-        config = msgspec.structs.replace(config, broker=msgspec.structs.replace(config.broker, bootstrap=broker.bootstrap))
-    workers: list[WorkerProcess] = []
+
+def run_pipeline(config: RunConfig, progress: bool = True) -> int:
+    from pipeline import monitor
+    from pipeline.evaluate import Evaluator
+    from topics.broker import EmbeddedBroker
+
+    started = time.time()
+    config = new_run_dir(config)
+    run_dir = runtime.run_dir(config)
+    print(f"asyncrl: run directory {run_dir}", file=sys.stderr)
+    broker, workers = None, []
     try:
-        layout = runtime.topic_layout(config)
-        asyncio.run(ensure_topics(config.broker.bootstrap, layout.names, layout.partitions))
-        config_path = run_dir / "config.yaml"
-        save_config(config, config_path)
+        if not config.broker.bootstrap:
+            broker = EmbeddedBroker(run_dir / "broker.log").start()
+            config = msgspec.structs.replace(config, broker=msgspec.structs.replace(config.broker, bootstrap=broker.bootstrap))
+        config, config_path = prepare(config, progress)
+        evaluator = Evaluator.for_config(config)
+        base_accuracy = evaluator.accuracy() if evaluator else None
         roles = ["trainer", "reward", "prompts"] + ["rollout"] * config.rollout.workers
         for index, role in enumerate(roles):
             workers.append(WorkerProcess(role, index, config_path, run_dir / "logs" / f"{role}-{index}.stdout"))

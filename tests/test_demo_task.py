@@ -84,7 +84,8 @@ def test_warm_up_reduces_loss(tmp_path):
 
 def test_sft_batch_learns_only_the_completion(tmp_path):
     tokenizer = build_tokenizer(tmp_path)
-    ids, attention, learn = sft_batch(tokenizer, [{"prompt": "47+8=", "answer": "55"}, {"prompt": "10+0=", "answer": "10"}])
+    rows = [{"prompt": "47+8=", "answer": "55"}, {"prompt": "10+0=", "answer": "10"}]
+    ids, attention, learn = sft_batch(tokenizer, rows)
     assert tokenizer.decode(ids[0]) == "47+8=55" + EOS_TEXT
     assert learn[0].tolist() == [False] * 5 + [True] * 3
     assert attention.tolist() == [[1] * 8, [1] * 8]

@@ -25,7 +25,7 @@ STEPS, GROUPS, SAMPLES = 10, 4, 4
 # max_new_tokens and new weights arrive while many are in flight.
 SMALL_RUN = [
     f"trainer.steps={STEPS}", f"trainer.batch_groups={GROUPS}", f"data.n_samples={SAMPLES}",
-    "trainer.warmup_steps=0", "rollout.max_new_tokens=12", "eval.every=0", "trainer.checkpoint_every=5",
+    "trainer.warmup_steps=0", "rollout.max_new_tokens=40", "eval.every=0", "trainer.checkpoint_every=5",
 ]
 
 
