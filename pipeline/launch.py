@@ -113,7 +113,8 @@ def prepare(config: RunConfig, progress: bool = True) -> tuple[RunConfig, Path]:
         from pipeline.demo_model import prepare_demo_model
 
         model_dir = prepare_demo_model(run_dir / "model", seed=config.seed, task_seed=config.seed,
-                                       steps=config.trainer.warmup_steps, progress=progress)
+                                       steps=config.trainer.warmup_steps, progress=progress,
+                                       held_out=config.data.held_out)
         config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=str(model_dir)))
     layout = runtime.topic_layout(config)
     asyncio.run(ensure_topics(runtime.bootstrap(config), layout.names, layout.partitions))

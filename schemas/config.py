@@ -76,7 +76,9 @@ class TrainerConfig(Section):
     checkpoint_every: Annotated[int, doc("steps between checkpoints", ge=1)] = 100
     keep_versions: Annotated[int, doc("weight versions kept on shared storage", ge=2)] = 4
     weights_dir: Annotated[str, doc("shared storage for weights; empty = <run dir>/weights")] = ""
-    warmup_steps: Annotated[int, doc("demo only: supervised warm-up steps before RL", ge=0)] = 60
+    warmup_steps: Annotated[
+        int, doc("demo only: at most this many supervised warm-up steps (it stops at ~16% accuracy)", ge=0)
+    ] = 150
 
 
 class EvalConfig(Section):
