@@ -45,7 +45,7 @@ def follow(config: RunConfig, run_dir: Path, workers: list, evaluator: Evaluator
         while True:
             lines, offset = read_metrics(metrics_path, offset)
             for line in (l for l in lines if l["source"] == "trainer"):
-                bar.update(line["step"] - step)
+                bar.update(max(line["step"] - step, 0))  # a restarted trainer repeats steps after its checkpoint
                 step = line["step"]
                 if evaluator and config.eval.every and step % config.eval.every == 0 and step < config.trainer.steps:
                     measured = evaluator.accuracy(version_path(runtime.weights_dir(config), step))

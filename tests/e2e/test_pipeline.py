@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -155,3 +156,40 @@ def test_ctrl_c_stops_every_process(tmp_path):
     assert _processes_mentioning(f"tcp://{bootstrap}") == []  # the run's own embedded broker
     summary = json.loads(Path(run_dir, "summary.json").read_text())
     assert summary["outcome"] == "interrupted"
+
+
+async def test_trainer_killed_mid_run_trains_everything_exactly_once(broker, tmp_path, unique_name):
+    """SIGKILL the trainer after a checkpoint; the launcher restarts it and the run still trains
+    every group exactly once: steps after the checkpoint are rebuilt from their manifests."""
+    prefix, steps = unique_name("kill") + ".", 14
+    command = [sys.executable, "-m", "pipeline.cli", "run", *SMALL_RUN, f"trainer.steps={steps}",
+               f"runs_dir={tmp_path}", f"broker.bootstrap={broker.bootstrap}", f"broker.topic_prefix={prefix}",
+               "--no-progress"]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        metrics = tmp_path / "latest" / "metrics.jsonl"
+        while not (metrics.exists() and any(json.loads(l).get("step", 0) >= 7 for l in metrics.read_text().splitlines()
+                                              if '"trainer"' in l)):
+            assert time.monotonic() < deadline and launcher.poll() is None, "the run never reached step 7"
+            time.sleep(0.1)
+        run_dir = str((tmp_path / "latest").resolve())
+        [trainer] = [pid for pid in _processes_mentioning(run_dir) if "worker trainer" in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()]
+        os.kill(trainer, signal.SIGKILL)
+        output, _ = launcher.communicate(timeout=240)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 0, output[-3000:]
+    assert "trainer-0 exited with -9; restarting it" in output
+
+    manifests, trained, released = await trained_view(broker.bootstrap, prefix)
+    assert sorted(m.step for m in manifests) == list(range(1, steps + 1))  # no step written twice or skipped
+    assert all(len(uses) == 1 for uses in trained.values()) and len(trained) == steps * GROUPS * SAMPLES
+    dropped = {d.prompt_id for m in manifests for d in m.dropped}
+    assert set(released) == {tid.rsplit("/", 1)[0] for tid in trained} | dropped
+    weights = [r.message for r in await read(broker.bootstrap, prefix + "weights", WeightVersion)]
+    assert max(w.version for w in weights) == steps
+    summary = json.loads(Path(run_dir, "summary.json").read_text())
+    assert summary["steps"] == steps and summary["groups_consumed"] == steps * GROUPS
