@@ -65,10 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         path, overrides = split_config_and_overrides(args.config, args.overrides)
         config = load_config(path or default_config(), overrides)
         if args.command == "prepare":
-            from pipeline.launch import prepare
+            from pipeline.launch import check_dataset, prepare
 
             if not config.broker.bootstrap:
                 raise ConfigError("prepare needs broker.bootstrap=HOST:PORT (the broker the workers will use)")
+            check_dataset(config)
 
             print(prepare(config)[1])
             return 0

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import msgspec
 
-from pipeline.config import load_config, save_config
+from pipeline.config import ConfigError, load_config, save_config
 from schemas.config import RunConfig
 from workers import runtime
 
@@ -95,6 +95,19 @@ def new_run_dir(config: RunConfig) -> RunConfig:
     return msgspec.structs.replace(config, name=name, runs_dir=str(runs))
 
 
+def check_dataset(config: RunConfig) -> None:
+    """Fail before anything starts when the dataset has no usable row (bad rows alone go to dead-letter)."""
+    from workers.prompt_source import load_rows
+
+    try:
+        rows, bad = load_rows(config)
+    except OSError as exc:
+        raise ConfigError(f"data.source {config.data.source}: {exc.strerror}") from exc
+    if not rows:
+        reasons = "; ".join(str(row) for row in bad[:3])
+        raise ConfigError(f"data.source {config.data.source} has no usable row{': ' + reasons if reasons else ''}")
+
+
 def prepare(config: RunConfig, progress: bool = True) -> tuple[RunConfig, Path]:
     """Everything workers need before they start: the model, the topics, `config.yaml`.
 
@@ -128,6 +141,7 @@ def run_pipeline(config: RunConfig, progress: bool = True) -> int:
     from topics.broker import EmbeddedBroker
 
     started = time.time()
+    check_dataset(config)
     config = new_run_dir(config)
     run_dir = runtime.run_dir(config)
     print(f"asyncrl: run directory {run_dir}", file=sys.stderr)

@@ -105,5 +105,12 @@ class RunConfig(Section):
             raise ValueError(f"data.reward {self.data.reward!r}: use 'builtin', 'math' or 'module:function'")
         if self.data.source != "builtin" and self.data.reward == "builtin":
             raise ValueError("data.reward 'builtin' verifies the built-in task only; use 'math' or 'module:function'")
+        if self.data.source != "builtin" and not self.model.path:
+            raise ValueError("data.source other than 'builtin' needs model.path (the demo model only knows its own task)")
+        if self.rollout.workers > self.broker.partitions:
+            raise ValueError(
+                f"rollout.workers={self.rollout.workers} needs broker.partitions >= {self.rollout.workers} "
+                "(each rollout worker consumes its own partitions of `prompts`)"
+            )
         if self.trainer.minibatches > self.trainer.batch_groups * self.data.n_samples:
             raise ValueError("trainer.minibatches cannot exceed the trajectories per step (batch_groups * n_samples)")

@@ -90,10 +90,11 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
     if released:
         last = max(released, key=lambda g: g.release_index)
         epoch, position = last.epoch, epoch_order(len(rows), last.epoch, config.seed).index(last.row_index) + 1
+        if position == len(rows):
+            epoch, position = epoch + 1, 0
+    order = epoch_order(len(rows), epoch, config.seed)
     n_released = len({g.prompt_id for g in released})
     log.info("prompt source started", rows=len(rows), bad_rows=len(bad), already_released=n_released)
-    if not rows:
-        raise SystemExit(f"{config.data.source}: no usable rows")
     version = WeightVersion(version=0, uri="", content_hash="", step=0, groups_consumed=0, groups_dropped=0)
 
     async with make_producer(bootstrap) as producer, assigned_consumer(bootstrap, layout.name("weights")) as weights:
@@ -101,6 +102,8 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
             for row in bad:
                 await send_dead_letter(producer, layout.name("dead-letter"), DeadLetter(
                     origin=me, source=config.data.source, reason=str(row), payload=row.text.encode(), offset=row.line))
+        if not rows:
+            raise SystemExit(f"{config.data.source}: no usable rows (each bad row is on dead-letter)")
         while not stop.is_set() and epoch < config.data.epochs:
             for records in (await weights.getmany(timeout_ms=0 if n_released == 0 else 100)).values():
                 for record in records:
@@ -111,7 +114,6 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
                 break
             needed = cfg.steps * cfg.batch_groups + version.groups_dropped  # no group released that cannot be trained
             while n_released < needed and may_release(n_released, version.version, cfg.batch_groups, cfg.max_staleness, version.groups_dropped):
-                order = epoch_order(len(rows), epoch, config.seed)
                 row = rows[order[position]]
                 group = PromptGroup(
                     prompt_id=f"e{epoch}-r{row.index}", row_index=row.index, epoch=epoch, release_index=n_released,
@@ -126,4 +128,5 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
                     epoch, position = epoch + 1, 0
                     if epoch >= config.data.epochs:
                         break
+                    order = epoch_order(len(rows), epoch, config.seed)
         log.info("prompt source finished", released=n_released, version=version.version)

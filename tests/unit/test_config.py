@@ -40,14 +40,16 @@ def test_round_trip_through_yaml(tmp_path):
         ("name=a/b", "plain directory name"),
         ("data.reward=nonsense", "module:function"),
         ("data.source=rows.jsonl", "verifies the built-in task only"),
+        ("data.source=rows.jsonl data.reward=math", "needs model.path"),
         ("trainer.minibatches=1000", "cannot exceed"),
+        ("rollout.workers=3", "needs broker.partitions >= 3"),
         ("trainer", "section.key=value"),
         ("trainer.lr.x=1", "is a value, not a section"),
     ],
 )
 def test_bad_values_are_named(override, message):
     with pytest.raises(ConfigError, match=None) as info:
-        load_config(None, ["trainer.lr=1e-4", override] if override.startswith("trainer.lr.") else [override])
+        load_config(None, ["trainer.lr=1e-4", override] if override.startswith("trainer.lr.") else override.split())
     assert message in str(info.value)
 
 

@@ -138,10 +138,11 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
                 try:
                     await rollout.update_weights(latest)
                     log.info("weights loaded", version=latest.version)
-                except FileNotFoundError:
+                    if latest.final:
+                        break
+                except FileNotFoundError:  # we fell behind the trainer's clean-up: wait for the next version
                     log.warning("weights already deleted, waiting for a newer version", version=latest.version)
-                if latest.final:
-                    break
+                    latest = None
             busy = not rollout.engine.idle()
             for tp, records in (await prompts.getmany(timeout_ms=0 if busy or waiting else 50)).items():
                 for record in records:
