@@ -31,7 +31,48 @@ def build_parser() -> argparse.ArgumentParser:
     broker = commands.add_parser("broker", help="run the embedded Kafka-protocol broker in the foreground")
     broker.add_argument("--port", type=int, default=None, help="loopback port (default: a free one)")
     broker.add_argument("--log", default="broker.log", help="broker log file")
+
+    add_topics_parser(commands)
+    add_replay_parser(commands)
     return parser
+
+
+def add_topics_parser(commands: argparse._SubParsersAction) -> None:
+    topics = commands.add_parser("topics", help="list topics with offsets and counts per partition; export or import a run's topics")
+    add_broker_options(topics)
+    actions = topics.add_subparsers(dest="action")
+    export = actions.add_parser("export", help="write every topic of a run to one file")
+    add_broker_options(export, inherited=True)
+    export.add_argument("--out", required=True, help="the file to write")
+    load = actions.add_parser("import", help="load an export into a broker (empty topics, same partitions and offsets)")
+    load.add_argument("file", help="a file written by `asyncrl topics export`")
+    add_broker_options(load, inherited=True)
+
+
+def add_replay_parser(commands: argparse._SubParsersAction) -> None:
+    replay = commands.add_parser("replay", help="decode and show what a run's topics recorded")
+    kinds = replay.add_subparsers(dest="what", required=True, metavar="{tail,trajectory,step}")
+    tail = kinds.add_parser("tail", help="decode and print the messages of one topic")
+    tail.add_argument("topic", help="a topic role (prompts, segments, scored, weights, batches, dead-letter) or its name")
+    tail.add_argument("--id", help="only messages with this id (prompt id, trajectory id, step, version, origin) or under it")
+    tail.add_argument("--from-offset", type=int, default=None, help="start every partition at this offset")
+    tail.add_argument("--limit", type=int, default=None, help="the last N messages (the first N with --from-offset)")
+    tail.add_argument("--json", action="store_true", help="one JSON object per line, nothing cut")
+    trajectory = kinds.add_parser("trajectory", help="every attempt of one trajectory, each token with its version")
+    trajectory.add_argument("trajectory_id", help="<prompt id>/<sample index>")
+    step = kinds.add_parser("step", help="the manifest of one step: trajectories, rewards, staleness, dropped groups")
+    step.add_argument("step", type=int)
+    for kind in (tail, trajectory, step):
+        add_broker_options(kind)
+        kind.add_argument("--export", help="read an export file (asyncrl topics export) instead of a broker")
+
+
+def add_broker_options(parser: argparse.ArgumentParser, inherited: bool = False) -> None:
+    """--config/--bootstrap/--prefix; a subcommand's copy leaves its parent's values alone unless given."""
+    default = argparse.SUPPRESS if inherited else None
+    parser.add_argument("--config", default=default, help="a run's resolved config (runs/<run>/config.yaml): broker, prefix, model")
+    parser.add_argument("--bootstrap", default=default, help="broker HOST:PORT (instead of the config's)")
+    parser.add_argument("--prefix", default=default, help="topic prefix (instead of the config's)")
 
 
 def split_config_and_overrides(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
@@ -45,13 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     stray = [word for word in extra if word.startswith("-") or "=" not in word]
-    if stray or (extra and args.command == "broker"):
+    if stray or (extra and args.command in ("broker", "topics", "replay")):
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:  # overrides written after an option, e.g. `run --no-progress trainer.lr=1e-4`
         args.overrides = [*args.overrides, *extra]
     from pipeline.config import ConfigError, explain, load_config, to_yaml
 
     try:
+        if args.command in ("topics", "replay"):
+            return inspect_run(args)
         if args.command == "broker":
             from topics.broker import serve_forever
 
@@ -82,6 +125,22 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"asyncrl: {exc}", file=sys.stderr)
         return 2
+
+
+def inspect_run(args: argparse.Namespace) -> int:
+    """`asyncrl topics` and `asyncrl replay`: a missing topic or broker is a message, not a traceback."""
+    from aiokafka.errors import KafkaError
+
+    from pipeline.replay import replay_command, topics_command
+    from topics.export import ExportError
+
+    try:
+        return topics_command(args) if args.command == "topics" else replay_command(args)
+    except KafkaError as exc:
+        print(f"asyncrl: broker error: {exc} (a finished run's embedded broker is gone; `asyncrl replay ... --export FILE` reads its export)", file=sys.stderr)
+    except (LookupError, ExportError, TimeoutError, OSError) as exc:
+        print(f"asyncrl: {exc}", file=sys.stderr)
+    return 1
 
 
 def default_config() -> str:

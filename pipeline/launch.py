@@ -112,16 +112,18 @@ def prepare(config: RunConfig, progress: bool = True) -> tuple[RunConfig, Path]:
     """Everything workers need before they start: the model, the topics, `config.yaml`.
 
     Idempotent for deployments (compose, Slurm): a run directory that already has
-    its config.yaml is reused as it is. Returns the resolved config and its path.
+    its config.yaml keeps it (and its model); the topics are ensured every time.
+    Returns the resolved config and its path.
     """
     from topics.admin import ensure_topics
 
     run_dir = Path(config.runs_dir).resolve() / config.name
     config_path = run_dir / "config.yaml"
     if config_path.exists():
-        return load_config(config_path), config_path
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    config = msgspec.structs.replace(config, runs_dir=str(run_dir.parent))
+        config = load_config(config_path)
+    else:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        config = msgspec.structs.replace(config, runs_dir=str(run_dir.parent))
     if not config.model.path:
         from pipeline.demo_model import prepare_demo_model
 
@@ -129,10 +131,20 @@ def prepare(config: RunConfig, progress: bool = True) -> tuple[RunConfig, Path]:
                                        steps=config.trainer.warmup_steps, progress=progress,
                                        held_out=config.data.held_out)
         config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=str(model_dir)))
-    layout = runtime.topic_layout(config)
+    layout = runtime.topic_layout(config)  # every time: a broker may have lost its topics
     asyncio.run(ensure_topics(runtime.bootstrap(config), layout.names, layout.partitions))
     save_config(config, config_path)
     return config, config_path
+
+
+def export_topics_quietly(config: RunConfig, run_dir: Path) -> None:
+    """Write every topic to `<run dir>/topics.export` for replay; a failure costs the file, not the run."""
+    from topics.export import export_topics
+
+    try:
+        asyncio.run(export_topics(config.broker.bootstrap, run_dir / "topics.export", config.broker.topic_prefix))
+    except Exception as exc:  # the run's results are already safe; say what is missing
+        print(f"asyncrl: topics not exported ({exc})", file=sys.stderr)
 
 
 def run_pipeline(config: RunConfig, progress: bool = True) -> int:
@@ -164,6 +176,7 @@ def run_pipeline(config: RunConfig, progress: bool = True) -> int:
                 if worker.role == role:
                     worker.stop()
         if broker is not None:
+            export_topics_quietly(config, run_dir)  # the broker keeps them in memory only
             broker.stop()
     summary = monitor.finish(config, run_dir, evaluator, base_accuracy, outcome, started)
     print(json.dumps(summary, indent=2))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -74,17 +73,25 @@ class MetricsWriter:
 
 
 def run_until_stopped(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """Run `main(stop)` with SIGTERM/SIGINT setting `stop`, so a worker ends its loop cleanly."""
+    """Run `main(stop)` with SIGTERM/SIGINT setting `stop`, so a worker ends its loop cleanly.
+
+    The handlers are process-wide (not the loop's), so a signal that arrives while
+    the worker is already on its way out is still absorbed rather than killing it.
+    """
 
     async def wrapper() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def request_stop(signum, frame) -> None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(stop.set)
+
         for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
+            signal.signal(signum, request_stop)
         await main(stop)
 
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(wrapper())
+    asyncio.run(wrapper())
 
 
 def topic_layout(config: RunConfig) -> TopicLayout:

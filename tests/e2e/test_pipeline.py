@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from schemas.messages import BatchManifest, PromptGroup, Scored, Segment, WeightVersion
+from topics.export import load_export
 from topics.readers import read_topic
 
 pytestmark = pytest.mark.e2e
@@ -156,6 +157,9 @@ def test_ctrl_c_stops_every_process(tmp_path):
     assert _processes_mentioning(f"tcp://{bootstrap}") == []  # the run's own embedded broker
     summary = json.loads(Path(run_dir, "summary.json").read_text())
     assert summary["outcome"] == "interrupted"
+    # the embedded broker's topics outlive it in the run directory, for replay
+    exported = load_export(Path(run_dir, "topics.export"))
+    assert len(exported.records["batches"]) >= 1 and len(exported.records["scored"]) >= GROUPS * SAMPLES
 
 
 async def test_trainer_killed_mid_run_trains_everything_exactly_once(broker, tmp_path, unique_name):

@@ -1,0 +1,62 @@
+"""The reward worker on a real broker: segments joined in order, first finished attempt wins, failures recorded."""
+
+import asyncio
+
+from pipeline.config import load_config
+from pipeline.demo_model import build_tokenizer
+from schemas.messages import PromptGroup, Scored, Segment
+from topics.clients import make_producer, send
+from topics.readers import read_topic
+from workers.reward import worker as reward_worker
+
+
+def segment(tokenizer, trajectory, attempt, index, version, text, reason, group=None):
+    ids = tokenizer(text)["input_ids"] + ([tokenizer.eos_token_id] if reason == "stop" else [])
+    return Segment(trajectory_id=trajectory, attempt=attempt, segment_index=index, version=version, token_ids=ids,
+                   logprobs=[-0.5] * len(ids), finish_reason=reason, worker_id=attempt.split(":")[0], group=group)
+
+
+async def test_segments_become_one_scored_trajectory_each(broker, topic_layout, tmp_path):
+    tokenizer = build_tokenizer(tmp_path / "model")
+    config = load_config(None, [
+        f"runs_dir={tmp_path}", "name=rw", f"model.path={tmp_path / 'model'}", "data.n_samples=2",
+        f"broker.bootstrap={broker.bootstrap}", f"broker.topic_prefix={topic_layout.prefix}",
+    ])
+    group = PromptGroup(prompt_id="e0-r1", row_index=1, epoch=0, release_index=0, released_at_version=3,
+                        prompt_text="47+8=", prompt_tokens=tokenizer("47+8=")["input_ids"], answer="55", n_samples=2)
+    messages = [
+        # sample 0: attempt a (dies after one segment), then attempt b finishes across two versions
+        segment(tokenizer, "e0-r1/0", "a:0", 0, 3, "5", "interrupted", group),
+        segment(tokenizer, "e0-r1/0", "b:0", 1, 5, "5", "stop"),  # arrives before its segment 0
+        segment(tokenizer, "e0-r1/0", "b:0", 0, 4, "5", "interrupted", group),
+        segment(tokenizer, "e0-r1/0", "a:0", 1, 4, "6", "stop"),  # attempt a finishes late: ignored
+        # sample 1: wrong answer, one segment
+        segment(tokenizer, "e0-r1/1", "b:1", 0, 4, "54", "stop", group),
+        segment(tokenizer, "e0-r1/1", "b:1", 0, 4, "54", "stop", group),  # delivered twice
+    ]
+    async with make_producer(broker.bootstrap) as producer:
+        for message in messages:
+            await send(producer, topic_layout.name("segments"), message, key=message.trajectory_id)
+        await producer.send_and_wait(topic_layout.name("segments"), b"\x00garbage", key=b"x")
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(reward_worker.main(config, stop))
+    try:
+        for _ in range(300):
+            scored = [r.message for r in await read_topic(broker.bootstrap, topic_layout.name("scored"), Scored)]
+            if len(scored) >= 2:
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)  # a duplicate would have arrived by now
+        scored = {s.trajectory_id: s for s in (r.message for r in await read_topic(broker.bootstrap, topic_layout.name("scored"), Scored))}
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+    assert sorted(scored) == ["e0-r1/0", "e0-r1/1"]
+    first = scored["e0-r1/0"]
+    assert first.attempt == "b:0" and first.num_segments == 2
+    assert first.completion_text == "55" and first.reward == 1.0
+    assert first.versions == [4, 5, 5] and len(first.logprobs) == 3  # "5" @v4, then "5" + eos @v5
+    assert first.released_at_version == 3 and first.prompt_tokens == group.prompt_tokens
+    assert scored["e0-r1/1"].reward == 0.0 and scored["e0-r1/1"].completion_text == "54"
