@@ -69,10 +69,43 @@ class TrainerConfig(Section):
     weight_decay: Annotated[float, doc("AdamW weight decay", ge=0)] = 0.0
     grad_clip: Annotated[float, doc("max global gradient norm", gt=0)] = 1.0
     clip_eps: Annotated[float, doc("PPO ratio clip epsilon", gt=0, lt=1)] = 0.2
-    behaviour_weight_cap: Annotated[
-        float, doc("cap on pi_prox/pi_behav per token; 0 = no cap", ge=0)
+    clip_eps_high: Annotated[
+        float, doc("upper ratio clip epsilon (clip-higher): clip(r, 1-clip_eps, 1+clip_eps_high); 0 = clip_eps", ge=0)
     ] = 0.0
+    behaviour_weight_cap: Annotated[
+        float, doc("cap on the behaviour weight pi_prox/pi_behav; 0 = no cap", ge=0)
+    ] = 0.0
+    behaviour_weight_mode: Annotated[
+        Literal["cap", "mask"],
+        doc("above behaviour_weight_cap: 'cap' clamps the weight to the cap, 'mask' drops the token/sequence"),
+    ] = "cap"
+    behaviour_weight_level: Annotated[
+        Literal["token", "sequence"],
+        doc("behaviour weight per token, or per sequence (product over its completion tokens, given to each token)"),
+    ] = "token"
+    advantage: Annotated[
+        Literal["grpo", "drgrpo", "rloo"],
+        doc("advantage estimator: grpo (group mean/std), drgrpo (group mean, no std), rloo (leave-one-out mean)"),
+    ] = "grpo"
+    loss_aggregation: Annotated[
+        Literal["token_mean", "seq_mean", "token_sum_norm"],
+        doc("token_mean: over all tokens of the minibatch; seq_mean: per sequence, then over sequences; "
+            "token_sum_norm: token sum / (sequences * rollout.max_new_tokens), Dr.GRPO's (use with advantage=drgrpo)"),
+    ] = "token_mean"
     minibatches: Annotated[int, doc("PPO minibatch updates per step", ge=1)] = 1
+    microbatch: Annotated[
+        Literal["dynamic", "fixed"],
+        doc("split of each minibatch into packed micro-batches: 'dynamic' under a token budget, 'fixed' count"),
+    ] = "dynamic"
+    max_tokens_per_microbatch: Annotated[
+        int,
+        doc("dynamic: token budget (prompt + completion) of one packed micro-batch; a longer sequence goes alone. "
+            "Packed attention costs budget^2 on CPU: the default suits the demo, raise it for large models", ge=1),
+    ] = 256
+    min_microbatches: Annotated[int, doc("dynamic: at least this many micro-batches per minibatch", ge=1)] = 1
+    microbatches_fixed: Annotated[
+        int, doc("fixed: micro-batches per minibatch (contiguous, equal sequence counts)", ge=1)
+    ] = 1
     checkpoint_every: Annotated[int, doc("steps between checkpoints", ge=1)] = 100
     keep_versions: Annotated[int, doc("weight versions kept on shared storage", ge=2)] = 4
     weights_dir: Annotated[str, doc("shared storage for weights; empty = <run dir>/weights")] = ""

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from workers.trainer.advantages import grpo_advantages
+from workers.trainer.advantages import ESTIMATORS, drgrpo_advantages, grpo_advantages, rloo_advantages
 from workers.trainer.losses import decoupled_ppo_loss
 
 
@@ -76,3 +76,108 @@ def test_grpo_advantages_by_hand():
     std = math.sqrt(((3 - 0.75) ** 2 + 3 * 0.75**2) / 4)
     assert adv[2].tolist() == pytest.approx([2.25 / std, -0.75 / std, -0.75 / std, -0.75 / std], abs=1e-5)
     assert adv.sum(dim=1).tolist() == pytest.approx([0.0, 0.0, 0.0], abs=1e-5)
+
+
+def test_clip_higher_moves_only_the_upper_bound():
+    # r = 1.4, A = 2: clipped at 1 + 0.28 -> -1.28 * 2 = -2.56
+    loss, stats = decoupled_ppo_loss(logs(0.7), logs(0.5), logs(0.5), torch.tensor([[2.0]], dtype=torch.float64),
+                                     torch.ones(1, 1, dtype=torch.float64), clip_eps=0.2, clip_eps_high=0.28)
+    assert loss.item() == pytest.approx(-2.56)
+    assert stats["clip_fraction"] == 1.0
+    # r = 0.5/0.7 = 0.714, A = -1: the lower bound stays 1 - 0.2: min(-0.714, -0.8) = -0.8 -> loss 0.8
+    loss, _ = decoupled_ppo_loss(logs(0.5), logs(0.7), logs(0.7), -torch.ones(1, 1, dtype=torch.float64),
+                                 torch.ones(1, 1, dtype=torch.float64), clip_eps=0.2, clip_eps_high=0.28)
+    assert loss.item() == pytest.approx(0.8)
+
+
+# Two sequences of two tokens, r = 1.1 everywhere (theta = 1.1 * prox), A = 1:
+#   row 0: w = 0.5/0.25 = 2 and 0.3/0.4 = 0.75 (sequence weight 2 * 0.75 = 1.5); row 1: w = 1, 1.
+THETA, PROX, BEHAV = [[0.55, 0.33], [0.55, 0.55]], [[0.5, 0.3], [0.5, 0.5]], [[0.25, 0.4], [0.5, 0.5]]
+
+
+def weighted(**options):
+    table = lambda rows: torch.tensor(rows, dtype=torch.float64).log()  # noqa: E731
+    ones = torch.ones(2, 2, dtype=torch.float64)
+    return decoupled_ppo_loss(table(THETA), table(PROX), table(BEHAV), ones, ones, clip_eps=0.2, **options)
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        # token weights: -1.1 * (2 + 0.75 + 1 + 1) / 4
+        (dict(), -1.30625),
+        # cap 1.2 clamps token 0 of row 0 to 1.2: -1.1 * (1.2 + 0.75 + 2) / 4
+        (dict(behaviour_weight_cap=1.2), -1.08625),
+        # mask drops token 0 of row 0 (still counted in the 4 tokens): -1.1 * (0.75 + 2) / 4
+        (dict(behaviour_weight_cap=1.2, behaviour_weight_mode="mask"), -0.75625),
+        # sequence weights 1.5, 1.5, 1, 1: -1.1 * 5 / 4
+        (dict(behaviour_weight_level="sequence"), -1.375),
+        # sequence weight capped at 1.2: -1.1 * (1.2 + 1.2 + 2) / 4
+        (dict(behaviour_weight_level="sequence", behaviour_weight_cap=1.2), -1.21),
+        # the whole of row 0 dropped: -1.1 * 2 / 4
+        (dict(behaviour_weight_level="sequence", behaviour_weight_cap=1.2, behaviour_weight_mode="mask"), -0.55),
+    ],
+)
+def test_behaviour_weight_cap_and_mask_by_hand(options, expected):
+    loss, _ = weighted(**options)
+    assert loss.item() == pytest.approx(expected)
+
+
+def test_behaviour_weight_stats():
+    # raw token weights 2, 0.75, 1, 1; one of four above the cap
+    _, stats = weighted(behaviour_weight_cap=1.2, behaviour_weight_mode="mask")
+    assert stats["behaviour_weight_mean"] == pytest.approx(4.75 / 4)
+    assert (stats["behaviour_weight_max"], stats["behaviour_weight_min"]) == pytest.approx((2.0, 0.75))
+    assert stats["behaviour_weight_over_cap"] == 0.25
+    assert stats["ratio_mean"] == pytest.approx(1.1)
+
+
+# Ratio 1 everywhere, so the per-token loss is -A: row 0 has two tokens with A = 1, row 1 one token with A = -4.
+AGG_MASK = torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=torch.float64)
+AGG_ADV = torch.tensor([[1.0, 1.0], [-4.0, -4.0]], dtype=torch.float64)
+
+
+def aggregated(rows=slice(None), **options):
+    zeros = torch.zeros(2, 2, dtype=torch.float64)[rows]
+    return decoupled_ppo_loss(zeros, zeros, zeros, AGG_ADV[rows], AGG_MASK[rows], clip_eps=0.2, **options)[0].item()
+
+
+@pytest.mark.parametrize(
+    ("aggregation", "expected"),
+    [
+        ("token_mean", 2 / 3),  # (-1 - 1 + 4) / 3 tokens
+        ("seq_mean", 1.5),  # (mean(-1, -1) + 4) / 2 sequences
+        ("token_sum_norm", 0.25),  # (-1 - 1 + 4) / (2 sequences * 4 max new tokens)
+    ],
+)
+def test_aggregations_by_hand_and_split_into_microbatches(aggregation, expected):
+    assert aggregated(aggregation=aggregation, max_new_tokens=4) == pytest.approx(expected)
+    # each row alone, divided by the totals of both (3 tokens, 2 sequences), adds up to the same
+    parts = [aggregated(slice(r, r + 1), aggregation=aggregation, max_new_tokens=4, totals=(3.0, 2.0)) for r in (0, 1)]
+    assert sum(parts) == pytest.approx(expected)
+
+
+def test_bad_options_raise():
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        aggregated(aggregation="token_sum_norm")
+    with pytest.raises(ValueError, match="aggregation"):
+        aggregated(aggregation="sum")
+    with pytest.raises(ValueError, match="mode"):
+        weighted(behaviour_weight_mode="clip")
+    with pytest.raises(ValueError, match="level"):
+        weighted(behaviour_weight_level="group")
+
+
+def test_drgrpo_and_rloo_advantages_by_hand():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [3.0, 0.0, 0.0, 0.0]])
+    # Dr. GRPO: r - group mean (0.5, 1, 0.75), no std
+    assert drgrpo_advantages(rewards).tolist() == [[0.5, -0.5, -0.5, 0.5], [0, 0, 0, 0], [2.25, -0.75, -0.75, -0.75]]
+    # RLOO: r_i - mean of the other three; row 0: 1 - 1/3, 0 - 2/3; row 2: 3 - 0, 0 - 3/3
+    expected = torch.tensor([[2 / 3, -2 / 3, -2 / 3, 2 / 3], [0, 0, 0, 0], [3.0, -1.0, -1.0, -1.0]])
+    torch.testing.assert_close(rloo_advantages(rewards), expected)
+
+
+def test_a_group_of_one_sample_has_no_signal_under_any_estimator():
+    for name, estimator in ESTIMATORS.items():
+        assert estimator(torch.tensor([[5.0]])).tolist() == [[0.0]], name
+    assert set(ESTIMATORS) == {"grpo", "drgrpo", "rloo"}

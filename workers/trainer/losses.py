@@ -2,6 +2,11 @@
 
 Shapes: every tensor is [N, T] over N sequences and T completion positions;
 `mask` is 1.0 on real completion tokens and 0.0 on padding.
+
+Micro-batches: a loss over part of a minibatch is divided by the totals of the
+whole minibatch (`totals`, see `batch_totals`), so the losses and gradients of its
+micro-batches add up to those of the minibatch in one piece. Tokens and sequences
+dropped by the behaviour-weight mask still count in those totals.
 """
 
 from __future__ import annotations
@@ -9,9 +14,54 @@ from __future__ import annotations
 import torch
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Token mean over the real tokens of the whole batch."""
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+def batch_totals(mask: torch.Tensor) -> tuple[float, float]:
+    """(completion tokens, sequences with at least one completion token), each at least 1."""
+    tokens = mask.sum().clamp(min=1).item()
+    sequences = (mask.sum(-1) > 0).sum().clamp(min=1).item()
+    return tokens, sequences
+
+
+def aggregate(
+    per_token: torch.Tensor,  # [N, T]
+    mask: torch.Tensor,  # [N, T]
+    aggregation: str,
+    totals: tuple[float, float],
+    max_new_tokens: int = 0,
+) -> torch.Tensor:
+    """One scalar from per-token losses.
+
+    'token_mean': sum over all tokens / tokens;
+    'seq_mean': sum over sequences of (mean over the sequence's tokens) / sequences;
+    'token_sum_norm' (Dr. GRPO): sum over all tokens / (sequences * max_new_tokens),
+    so every token weighs the same whatever the length of its sequence.
+    """
+    tokens, sequences = totals
+    weighted = per_token * mask  # [N, T]
+    if aggregation == "token_mean":
+        return weighted.sum() / tokens
+    if aggregation == "seq_mean":
+        return (weighted.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / sequences
+    if aggregation == "token_sum_norm":
+        if max_new_tokens < 1:
+            raise ValueError("aggregation 'token_sum_norm' needs max_new_tokens >= 1 (the generation budget)")
+        return weighted.sum() / (sequences * max_new_tokens)
+    raise ValueError(f"unknown aggregation {aggregation!r}: use 'token_mean', 'seq_mean' or 'token_sum_norm'")
+
+
+def behaviour_weights(
+    prox_logp: torch.Tensor,  # [N, T]
+    behav_logp: torch.Tensor,  # [N, T]
+    mask: torch.Tensor,  # [N, T]
+    level: str,
+) -> torch.Tensor:
+    """pi_prox/pi_behav per token ('token'), or per sequence ('sequence'): the product of its
+    tokens' weights, exp(sum of log-ratios over its completion), given to each of its tokens."""
+    log_ratio = (prox_logp - behav_logp) * mask  # [N, T]
+    if level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)  # [N, T]
+    elif level != "token":
+        raise ValueError(f"unknown behaviour weight level {level!r}: use 'token' or 'sequence'")
+    return torch.exp(log_ratio)  # [N, T]
 
 
 def decoupled_ppo_loss(
@@ -22,26 +72,51 @@ def decoupled_ppo_loss(
     mask: torch.Tensor,  # [N, T]
     clip_eps: float,
     behaviour_weight_cap: float = 0.0,
+    *,
+    clip_eps_high: float = 0.0,
+    behaviour_weight_mode: str = "cap",
+    behaviour_weight_level: str = "token",
+    aggregation: str = "token_mean",
+    max_new_tokens: int = 0,
+    totals: tuple[float, float] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """AReaL's decoupled PPO objective, token-mean aggregated.
+    """AReaL's decoupled PPO objective.
 
-    loss_t = -(pi_prox/pi_behav) * min(r*A, clip(r, 1-eps, 1+eps)*A), r = pi_theta/pi_prox.
-    With prox_logp == behav_logp it is standard (naive) PPO. A positive
-    `behaviour_weight_cap` clamps the behaviour weight from above.
+    loss_t = -w * min(r*A, clip(r, 1-eps, 1+eps_high)*A), r = pi_theta/pi_prox, w = pi_prox/pi_behav.
+    With prox_logp == behav_logp it is standard (naive) PPO.
+
+    clip_eps_high: the upper clip ("clip-higher"); 0 = clip_eps.
+    behaviour_weight_level: w per token or per sequence (`behaviour_weights`).
+    behaviour_weight_cap: 0 = none; above it w is clamped to the cap (mode 'cap') or
+        the token / sequence is dropped from the loss (mode 'mask').
+    aggregation, max_new_tokens: see `aggregate`.
+    totals: (tokens, sequences) of the whole minibatch this batch is a micro-batch of;
+        default: this batch's own. The stats are divided by the same token total, so
+        summed over micro-batches they give the minibatch's (`_max`/`_min`: max/min).
     """
-    behaviour_weight = torch.exp(prox_logp - behav_logp)  # [N, T]
-    if behaviour_weight_cap > 0:
-        behaviour_weight = behaviour_weight.clamp(max=behaviour_weight_cap)
+    totals = totals if totals is not None else batch_totals(mask)
+    tokens = totals[0]
+    weight = behaviour_weights(prox_logp, behav_logp, mask, behaviour_weight_level)  # [N, T]
+    over_cap = weight > behaviour_weight_cap if behaviour_weight_cap > 0 else torch.zeros_like(weight, dtype=torch.bool)
+    if behaviour_weight_mode == "cap":
+        applied = torch.where(over_cap, behaviour_weight_cap, weight)  # [N, T]
+    elif behaviour_weight_mode == "mask":
+        applied = torch.where(over_cap, 0.0, weight)  # [N, T]
+    else:
+        raise ValueError(f"unknown behaviour weight mode {behaviour_weight_mode!r}: use 'cap' or 'mask'")
     ratio = torch.exp(logp - prox_logp)  # [N, T]
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * advantages
-    per_token = -behaviour_weight * torch.minimum(unclipped, clipped)  # [N, T]
-    loss = masked_mean(per_token, mask)
+    unclipped = ratio * advantages  # [N, T]
+    clipped = ratio.clamp(1.0 - clip_eps, 1.0 + (clip_eps_high or clip_eps)) * advantages  # [N, T]
+    per_token = -applied * torch.minimum(unclipped, clipped)  # [N, T]
+    loss = aggregate(per_token, mask, aggregation, totals, max_new_tokens)
     with torch.no_grad():
+        real = mask > 0  # [N, T]
         stats = {
-            "clip_fraction": masked_mean((clipped < unclipped).float(), mask).item(),
-            "behaviour_weight_mean": masked_mean(behaviour_weight, mask).item(),
-            "behaviour_weight_max": (behaviour_weight * mask).max().item(),
-            "ratio_mean": masked_mean(ratio, mask).item(),
+            "clip_fraction": ((clipped < unclipped) & real).sum().item() / tokens,
+            "ratio_mean": (ratio * mask).sum().item() / tokens,
+            "behaviour_weight_mean": (weight * mask).sum().item() / tokens,
+            "behaviour_weight_max": torch.where(real, weight, -torch.inf).max().item(),
+            "behaviour_weight_min": torch.where(real, weight, torch.inf).min().item(),
+            "behaviour_weight_over_cap": (over_cap & real).sum().item() / tokens,
         }
     return loss, stats

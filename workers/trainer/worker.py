@@ -22,8 +22,9 @@ from topics.dead_letter import decode_or_dead_letter
 from topics.readers import read_topic
 from workers import runtime
 from workers.trainer import checkpoint
-from workers.trainer.advantages import grpo_advantages
+from workers.trainer.advantages import ESTIMATORS
 from workers.trainer.buffer import Group, GroupBuffer
+from workers.trainer.microbatch import allocator
 from workers.trainer.step import collate, train_step
 from workers.weights import write_version
 
@@ -42,14 +43,18 @@ class Trainer:
     def train(self, groups: list[Group]) -> dict[str, float]:
         version = self.state.step
         rewards = torch.tensor([[s.reward for s, _ in g.trajectories()] for g in groups])  # [G, n]
-        advantages = grpo_advantages(rewards).flatten().tolist()
+        advantages = ESTIMATORS[self.cfg.advantage](rewards).flatten().tolist()
         trajectories = [s for g in groups for s, _ in g.trajectories()]
         batch = collate([(s.prompt_tokens, s.completion_tokens, s.logprobs) for s in trajectories], advantages, pad_id=0, device=self.device)
+        cfg = self.cfg
         stats = train_step(
             self.model, self.optimizer, batch,
-            decoupled=self.cfg.objective == "decoupled", clip_eps=self.cfg.clip_eps,
-            behaviour_weight_cap=self.cfg.behaviour_weight_cap, minibatches=self.cfg.minibatches,
-            grad_clip=self.cfg.grad_clip, temperature=self.config.rollout.temperature,
+            decoupled=cfg.objective == "decoupled", minibatches=cfg.minibatches,
+            grad_clip=cfg.grad_clip, temperature=self.config.rollout.temperature,
+            split=allocator(cfg.microbatch, cfg.max_tokens_per_microbatch, cfg.min_microbatches, cfg.microbatches_fixed),
+            clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, behaviour_weight_cap=cfg.behaviour_weight_cap,
+            behaviour_weight_mode=cfg.behaviour_weight_mode, behaviour_weight_level=cfg.behaviour_weight_level,
+            aggregation=cfg.loss_aggregation, max_new_tokens=self.config.rollout.max_new_tokens,
         )
         lags = [version - s.released_at_version for s in trajectories]
         tokens = sum(len(s.completion_tokens) for s in trajectories)

@@ -1,0 +1,103 @@
+"""Packing: exact layout by hand, and packed micro-batched training equal to padded training."""
+
+import copy
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from workers.trainer.losses import decoupled_ppo_loss
+from workers.trainer.microbatch import allocator
+from workers.trainer.packing import pack
+from workers.trainer.step import accumulate_gradients, collate, token_logprobs
+
+torch.set_num_threads(1)
+
+
+def test_pack_by_hand():
+    ids = torch.tensor([[3, 4, 5, 0], [6, 7, 0, 0], [8, 0, 0, 0]])
+    packed = pack(ids, (ids > 0).long())
+    assert packed.input_ids.tolist() == [[3, 4, 5, 6, 7, 8]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 0, 1, 0]]
+    allowed = [  # causal inside each sequence (tokens 0-2, 3-4, 5), nothing across
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [0, 0, 0, 1, 0, 0],
+        [0, 0, 0, 1, 1, 0],
+        [0, 0, 0, 0, 0, 1],
+    ]
+    assert (packed.attention_mask[0, 0] == 0).long().tolist() == allowed
+    assert packed.attention_mask.min().item() == torch.finfo(torch.float32).min
+    # padded position t of row r predicts token t+1 of r: packed position start_r + t, for t < length_r - 1
+    assert packed.valid.tolist() == [[True, True, False], [True, False, False], [False, False, False]]
+    assert packed.index.tolist() == [[0, 1, 0], [3, 0, 0], [0, 0, 0]]
+    # packed position 2 predicts across sequences (5 -> 6) and must not come back
+    assert packed.unpack(torch.tensor([10.0, 11.0, 12.0, 13.0, 14.0])).tolist() == [[10, 11, 0], [13, 0, 0], [0, 0, 0]]
+
+
+def tiny_qwen2(attn_implementation: str = "sdpa") -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=64, max_position_embeddings=32,
+                         attn_implementation=attn_implementation)
+    return Qwen2ForCausalLM(config).float()
+
+
+def random_sequences(n: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    sequences = []
+    for _ in range(n):
+        prompt_len, completion_len = (int(torch.randint(1, hi, (1,), generator=g)) for hi in (5, 8))
+        completion = torch.randint(1, 16, (completion_len,), generator=g).tolist()
+        behav = (-torch.rand(completion_len, generator=g) * 3 - 1).tolist()
+        sequences.append((torch.randint(1, 16, (prompt_len,), generator=g).tolist(), completion, behav))
+    return sequences, torch.randn(n, generator=g).tolist()
+
+
+def padded_logprobs(model, batch):
+    """The reference: one padded forward pass with the 2D padding mask."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]  # [N, T-1, V]
+    return torch.log_softmax(logits, dim=-1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)  # [N, T-1]
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_packed_logprobs_equal_padded(attn_implementation):
+    model = tiny_qwen2(attn_implementation)
+    batch = collate(*random_sequences(6), pad_id=0)
+    valid = batch.attention_mask[:, 1:].bool()  # [N, T-1] positions that predict a real token
+    with torch.no_grad():
+        want = padded_logprobs(model, batch)
+        got = token_logprobs(model, batch, 1.0, split=allocator("dynamic", 12, 2, 1))
+    torch.testing.assert_close(got[valid], want[valid], rtol=0, atol=1e-5)
+
+
+LOSS_OPTIONS = [  # caps that hit some tokens / sequences of the batch below (its sequence weights are 0.01-0.81)
+    dict(aggregation="token_mean", behaviour_weight_level="token", behaviour_weight_mode="cap", behaviour_weight_cap=1.5),
+    dict(aggregation="seq_mean", behaviour_weight_level="sequence", behaviour_weight_mode="mask", behaviour_weight_cap=0.3),
+    dict(aggregation="token_sum_norm", behaviour_weight_level="token", behaviour_weight_mode="mask", behaviour_weight_cap=1.5),
+]
+
+
+@pytest.mark.parametrize("options", LOSS_OPTIONS, ids=[o["aggregation"] for o in LOSS_OPTIONS])
+def test_packed_microbatched_gradients_equal_padded(options):
+    loss_options = dict(clip_eps=0.2, clip_eps_high=0.28, max_new_tokens=8, **options)
+    padded_model = tiny_qwen2()
+    packed_model = copy.deepcopy(padded_model)
+    batch = collate(*random_sequences(8, seed=1), pad_id=0)
+    noise = torch.randn(batch.behav_logp.shape, generator=torch.Generator().manual_seed(2)) * 0.3  # [N, T-1]
+    with torch.no_grad():
+        prox = (padded_logprobs(padded_model, batch) + noise) * batch.loss_mask  # [N, T-1] ratios off 1
+    split = allocator("dynamic", 16, 2, 1)
+    assert len(split(batch.attention_mask.sum(-1).tolist())) >= 3  # really several packed micro-batches
+
+    logp = padded_logprobs(padded_model, batch)
+    want, _ = decoupled_ppo_loss(logp, prox, batch.behav_logp, batch.advantages, batch.loss_mask, **loss_options)
+    want.backward()
+    stats, _ = accumulate_gradients(packed_model, batch, prox, split, 1.0, **loss_options)
+
+    assert stats["loss"] == pytest.approx(want.item(), abs=1e-5)
+    assert 0 < stats["behaviour_weight_over_cap"] < 1 and 0 < stats["clip_fraction"] < 1  # the options are in play
+    for (name, got), wanted in zip(packed_model.named_parameters(), padded_model.parameters()):
+        torch.testing.assert_close(got.grad, wanted.grad, rtol=0, atol=1e-5, msg=name)
+
