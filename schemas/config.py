@@ -118,6 +118,15 @@ class EvalConfig(Section):
     every: Annotated[int, doc("evaluate held-out greedy accuracy every N versions; 0 = only first/last", ge=0)] = 50
 
 
+class TelemetryConfig(Section):
+    sample_ratio: Annotated[
+        float, doc("share of prompts whose whole journey is traced (decided once, at release)", ge=0, le=1)
+    ] = 0.05
+    otlp_endpoint: Annotated[
+        str, doc("OTLP/HTTP endpoint for spans, e.g. http://127.0.0.1:4318; empty = <run dir>/traces.jsonl")
+    ] = ""
+
+
 class RunConfig(Section):
     name: Annotated[str, doc("run name: the run directory is <runs_dir>/<name>", min_length=1)] = "demo"
     runs_dir: Annotated[str, doc("where run directories are created")] = "runs"
@@ -130,6 +139,7 @@ class RunConfig(Section):
     reward: RewardConfig = RewardConfig()
     trainer: TrainerConfig = TrainerConfig()
     eval: EvalConfig = EvalConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
 
     def __post_init__(self) -> None:
         if "/" in self.name or self.name in {".", "..", "latest"}:

@@ -15,6 +15,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from opentelemetry import trace
 from transformers import AutoTokenizer
 
 from schemas.config import RunConfig
@@ -22,6 +23,7 @@ from schemas.messages import DeadLetter, PromptGroup, WeightVersion
 from topics.clients import assigned_consumer, make_producer, send_and_wait
 from topics.dead_letter import decode_or_dead_letter, send_dead_letter
 from topics.readers import read_topic
+from topics.tracing import trace_headers
 from workers import builtin_task, runtime
 from workers.staleness import may_release
 
@@ -82,6 +84,8 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
     me = runtime.worker_id("prompts")
     log = runtime.configure_logging(runtime.run_dir(config) / "logs" / f"{me}.jsonl")
     layout, bootstrap = runtime.topic_layout(config), runtime.bootstrap(config)
+    runtime.configure_tracing(config, "prompts")
+    tracer = trace.get_tracer(__name__)
     cfg = config.trainer
     tokenizer = AutoTokenizer.from_pretrained(config.model.path)
     rows, bad = load_rows(config)
@@ -121,7 +125,11 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
                     prompt_tokens=tokenizer(row.prompt)["input_ids"], answer=row.answer, metadata=row.metadata,
                     n_samples=config.data.n_samples,
                 )
-                await send_and_wait(producer, layout.name("prompts"), group, key=group.prompt_id)
+                with tracer.start_as_current_span("release prompt", attributes={
+                    "asyncrl.prompt_id": group.prompt_id, "asyncrl.release_index": n_released,
+                    "asyncrl.version": version.version,
+                }):
+                    await send_and_wait(producer, layout.name("prompts"), group, key=group.prompt_id, headers=trace_headers())
                 n_released += 1
                 position += 1
                 if position == len(rows):

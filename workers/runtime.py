@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import structlog
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from schemas.config import RunConfig
 from topics.names import TopicLayout
@@ -56,20 +57,68 @@ def configure_logging(log_path: Path) -> structlog.stdlib.BoundLogger:
     return structlog.get_logger()
 
 
-class MetricsWriter:
-    """Appends one JSON object per line to metrics.jsonl (one write per line, safe across processes)."""
+class JsonLines:
+    """Appends lines to a file shared by several processes: one write() per line, so lines never interleave."""
 
-    def __init__(self, path: Path, source: str):
+    def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.path, self.source = path, source
+        self.path = path
 
-    def write(self, **fields: Any) -> None:
-        line = json.dumps({"time": time.time(), "source": self.source, **fields}) + "\n"
+    def append(self, line: str) -> None:
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, line.encode())
+            os.write(fd, (line + "\n").encode())
         finally:
             os.close(fd)
+
+
+class MetricsWriter:
+    """One JSON object per line in metrics.jsonl, tagged with its source (trainer, eval)."""
+
+    def __init__(self, path: Path, source: str):
+        self.lines, self.source = JsonLines(path), source
+
+    def write(self, **fields: Any) -> None:
+        self.lines.append(json.dumps({"time": time.time(), "source": self.source, **fields}))
+
+
+class JsonlSpanExporter(SpanExporter):
+    """Finished spans as JSON lines in one file shared by every worker of the run."""
+
+    def __init__(self, path: Path):
+        self.lines = JsonLines(path)
+
+    def export(self, spans) -> SpanExportResult:
+        for span in spans:
+            self.lines.append(span.to_json(indent=None))
+        return SpanExportResult.SUCCESS
+
+
+def configure_tracing(config: RunConfig, role: str) -> None:
+    """A tracer provider for this process: OTLP when configured, else <run dir>/traces.jsonl.
+
+    Sampling is decided at the root (the prompt source's release span) and followed
+    by every child, so a sampled prompt is traced whole. Buffered spans are flushed
+    when the process exits.
+    """
+    from opentelemetry import trace
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    if config.telemetry.otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        exporter = OTLPSpanExporter(endpoint=config.telemetry.otlp_endpoint.rstrip("/") + "/v1/traces")
+    else:
+        exporter = JsonlSpanExporter(run_dir(config) / "traces.jsonl")
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": f"asyncrl-{role}", "asyncrl.run": config.name}),
+        sampler=ParentBased(TraceIdRatioBased(config.telemetry.sample_ratio)),
+    )
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
 
 
 def run_until_stopped(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:

@@ -60,7 +60,7 @@ async def trained_view(bootstrap: str, prefix: str):
 
 async def test_async_pipeline_end_to_end(broker, tmp_path, unique_name):
     prefix, eta = unique_name("async") + ".", 4
-    run_dir = run_pipeline(tmp_path, broker.bootstrap, prefix, f"trainer.max_staleness={eta}")
+    run_dir = run_pipeline(tmp_path, broker.bootstrap, prefix, f"trainer.max_staleness={eta}", "telemetry.sample_ratio=1")
     manifests, trained, released = await trained_view(broker.bootstrap, prefix)
 
     assert sorted(m.step for m in manifests) == list(range(1, STEPS + 1))
@@ -103,6 +103,22 @@ async def test_async_pipeline_end_to_end(broker, tmp_path, unique_name):
     for artifact in ("curves.png", "metrics.jsonl", "config.yaml", "tensorboard"):
         assert (run_dir / artifact).exists(), artifact
     assert {p.name.split("-")[0] for p in (run_dir / "logs").glob("*.jsonl")} == {"trainer", "reward", "rollout", "prompts"}
+
+    # one trace follows a trained prompt through every worker, carried in the message headers
+    spans = [json.loads(line) for line in (run_dir / "traces.jsonl").read_text().splitlines()]
+    by_trace = {}
+    for span in spans:
+        by_trace.setdefault(span["context"]["trace_id"], []).append(span)
+    trained_prompt = next(iter(trained)).rsplit("/", 1)[0]
+    [release] = [s for s in spans if s["name"] == "release prompt" and s["attributes"]["asyncrl.prompt_id"] == trained_prompt]
+    journey = by_trace[release["context"]["trace_id"]]
+    services = {s["resource"]["attributes"]["service.name"] for s in journey}
+    assert services == {"asyncrl-prompts", "asyncrl-rollout", "asyncrl-reward", "asyncrl-trainer"}
+    assert {s["name"] for s in journey} == {"release prompt", "generate segment", "score trajectory", "train group"}
+    ids = {s["context"]["span_id"] for s in journey}
+    assert all(s["parent_id"] in ids for s in journey if s is not release)  # one tree rooted at the release
+    assert {s["attributes"]["asyncrl.trajectory_id"] for s in journey if s["name"] == "score trajectory"} == {
+        f"{trained_prompt}/{i}" for i in range(SAMPLES)}
 
 
 async def test_eta_zero_is_synchronous(broker, tmp_path, unique_name):

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 
 from aiokafka import TopicPartition
+from opentelemetry import trace
+from opentelemetry.context import Context
 from transformers import AutoTokenizer
 
 from schemas.config import RunConfig
@@ -20,6 +22,7 @@ from schemas.messages import TERMINAL_REASONS, Scored, Segment
 from topics.clients import make_group_consumer, make_producer, send
 from topics.commits import CommitTracker
 from topics.dead_letter import decode_or_dead_letter
+from topics.tracing import context_of, trace_headers
 from workers import runtime
 from workers.reward.pool import ScoringPool
 
@@ -28,6 +31,7 @@ from workers.reward.pool import ScoringPool
 class Attempt:
     segments: dict[int, Segment] = field(default_factory=dict)
     records: list[tuple[TopicPartition, int]] = field(default_factory=list)
+    trace: Context | None = None  # from the latest segment's headers: the prompt's trace
 
     def complete(self) -> list[Segment] | None:
         """The segments in order, once the terminal one and all before it are here."""
@@ -65,6 +69,8 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
     me = runtime.worker_id("reward")
     log = runtime.configure_logging(runtime.run_dir(config) / "logs" / f"{me}.jsonl")
     layout, bootstrap = runtime.topic_layout(config), runtime.bootstrap(config)
+    runtime.configure_tracing(config, "reward")
+    tracer = trace.get_tracer(__name__)
     tokenizer = AutoTokenizer.from_pretrained(config.model.path)
     pool = ScoringPool(config.data.reward, config.reward.processes, config.reward.timeout_s)
     attempts: dict[tuple[str, str], Attempt] = {}  # (trajectory id, attempt) -> segments so far
@@ -78,11 +84,15 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
             log.error("trajectory cannot be assembled", trajectory=key[0], reason=problem)
         else:
             group = segments[0].group
-            reward, details = (None, {"error": problem}) if problem else await pool.score(group.prompt_text, text, {**group.metadata, "answer": group.answer})
-            if reward is None:
-                reward = config.reward.failure_reward
-                log.warning("scoring failed", trajectory=key[0], **details)
-            await send(producer, layout.name("scored"), assemble(segments, text, reward, details), key=group.prompt_id)
+            with tracer.start_as_current_span("score trajectory", context=attempt.trace,
+                                              attributes={"asyncrl.trajectory_id": key[0], "asyncrl.attempt": key[1]}) as span:
+                reward, details = (None, {"error": problem}) if problem else await pool.score(group.prompt_text, text, {**group.metadata, "answer": group.answer})
+                if reward is None:
+                    reward = config.reward.failure_reward
+                    log.warning("scoring failed", trajectory=key[0], **details)
+                span.set_attribute("asyncrl.reward", reward)
+                await send(producer, layout.name("scored"), assemble(segments, text, reward, details), key=group.prompt_id,
+                           headers=trace_headers())
         for tp, offset in attempt.records:
             commits.finished(tp, offset)
 
@@ -104,6 +114,7 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
                     attempt = attempts.setdefault(key, Attempt())
                     attempt.segments[segment.segment_index] = segment
                     attempt.records.append((tp, record.offset))
+                    attempt.trace = context_of(record)
                     if (segments := attempt.complete()) is not None:
                         finished.add(segment.trajectory_id)
                         del attempts[key]

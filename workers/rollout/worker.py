@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 from aiokafka import TopicPartition
+from opentelemetry import trace
+from opentelemetry.context import Context
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from schemas.config import RunConfig
@@ -24,6 +26,7 @@ from schemas.messages import PromptGroup, Segment, WeightVersion
 from topics.clients import assigned_consumer, make_group_consumer, make_producer, send
 from topics.commits import CommitTracker
 from topics.dead_letter import decode_or_dead_letter
+from topics.tracing import context_of, trace_headers
 from workers import runtime
 from workers.rollout.engine import Engine, SamplingParams, Sequence
 from workers.weights import read_version
@@ -37,9 +40,11 @@ class InFlight:
     tp: TopicPartition
     offset: int
     unfinished: int
+    trace: Context  # the prompt's trace, from the record's headers
     attempts: dict[str, str] = field(default_factory=dict)  # trajectory id -> attempt id
     segments_sent: dict[str, int] = field(default_factory=dict)  # trajectory id -> segments emitted
     tokens_sent: dict[str, int] = field(default_factory=dict)  # trajectory id -> tokens emitted
+    last_sent_ns: dict[str, int] = field(default_factory=dict)  # trajectory id -> when its last segment left
 
 
 class Rollout:
@@ -54,6 +59,7 @@ class Rollout:
         self.groups: dict[str, InFlight] = {}  # prompt id -> group
         self.counter = itertools.count()
         self.interrupted = 0
+        self.tracer = trace.get_tracer(__name__)
 
     async def start(self, flight: InFlight) -> bool:
         """Submit the group's samples; a prompt the engine refuses ends as `error` segments.
@@ -72,26 +78,38 @@ class Rollout:
                 self.engine.submit(key, flight.group.prompt_tokens, self.params)
         except ValueError as exc:
             for key in keys:
-                await send(self.producer, self.topic, Segment(
-                    trajectory_id=key, attempt=flight.attempts[key], segment_index=0, version=self.engine.version,
-                    token_ids=[], logprobs=[], finish_reason="error", worker_id=self.me, group=flight.group, error=str(exc),
-                ), key=key)
+                await self.send(flight, key, self.engine.version, [], [], "error", error=str(exc))
             del self.groups[flight.group.prompt_id]
             return False
+        started = time.time_ns()
+        flight.last_sent_ns.update((key, started) for key in keys)
         return True
 
     async def emit(self, seq: Sequence, finish_reason: str) -> InFlight:
         """Send the tokens of `seq` generated since its last segment; returns its group."""
         flight = self.groups[seq.key.rsplit("/", 1)[0]]
-        index, start = flight.segments_sent.get(seq.key, 0), flight.tokens_sent.get(seq.key, 0)
-        await send(self.producer, self.topic, Segment(
-            trajectory_id=seq.key, attempt=flight.attempts[seq.key], segment_index=index,
-            version=seq.versions[start] if start < len(seq.versions) else self.engine.version,
-            token_ids=seq.token_ids[start:], logprobs=seq.logprobs[start:], finish_reason=finish_reason,
-            worker_id=self.me, group=flight.group if index == 0 else None,
-        ), key=seq.key)
-        flight.segments_sent[seq.key], flight.tokens_sent[seq.key] = index + 1, len(seq.token_ids)
+        start = flight.tokens_sent.get(seq.key, 0)
+        version = seq.versions[start] if start < len(seq.versions) else self.engine.version
+        await self.send(flight, seq.key, version, seq.token_ids[start:], seq.logprobs[start:], finish_reason)
+        flight.tokens_sent[seq.key] = len(seq.token_ids)
         return flight
+
+    async def send(self, flight: InFlight, key: str, version: int, tokens: list[int], logprobs: list[float],
+                   finish_reason: str, error: str = "") -> None:
+        """One segment on `segments`, with a span (in the prompt's trace) covering its generation."""
+        index = flight.segments_sent.get(key, 0)
+        now = time.time_ns()
+        span = self.tracer.start_span("generate segment", context=flight.trace, start_time=flight.last_sent_ns.get(key, now),
+                                      attributes={"asyncrl.trajectory_id": key, "asyncrl.segment_index": index,
+                                                  "asyncrl.version": version, "asyncrl.tokens": len(tokens),
+                                                  "asyncrl.finish_reason": finish_reason})
+        span.end(end_time=now)
+        await send(self.producer, self.topic, Segment(
+            trajectory_id=key, attempt=flight.attempts[key], segment_index=index, version=version, token_ids=tokens,
+            logprobs=logprobs, finish_reason=finish_reason, worker_id=self.me,
+            group=flight.group if index == 0 else None, error=error,
+        ), key=key, headers=trace_headers(span))
+        flight.segments_sent[key], flight.last_sent_ns[key] = index + 1, now
 
     async def update_weights(self, announced: WeightVersion) -> None:
         """Interrupt: emit partial segments, load the version, recompute caches (in the engine)."""
@@ -117,6 +135,7 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
     me = runtime.worker_id("rollout")
     log = runtime.configure_logging(runtime.run_dir(config) / "logs" / f"{me}.jsonl")
     torch.set_num_threads(config.rollout.threads)
+    runtime.configure_tracing(config, "rollout")
     layout, bootstrap = runtime.topic_layout(config), runtime.bootstrap(config)
     dead_letter = layout.name("dead-letter")
     async with (
@@ -151,7 +170,7 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
                     if group is None:
                         commits.finished(tp, record.offset)
                     else:
-                        waiting.append(InFlight(group, tp, record.offset, unfinished=group.n_samples))
+                        waiting.append(InFlight(group, tp, record.offset, unfinished=group.n_samples, trace=context_of(record)))
             admit_now = not (new_version and not config.rollout.interrupt)
             ready = [f for f in waiting if admit_now and f.group.released_at_version <= rollout.engine.version]
             for flight in ready:

@@ -13,6 +13,9 @@ import asyncio
 import time
 
 import torch
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Link
 from transformers import AutoModelForCausalLM
 
 from schemas.config import RunConfig
@@ -20,6 +23,7 @@ from schemas.messages import BatchManifest, DroppedGroup, Scored, WeightVersion
 from topics.clients import assigned_consumer, make_producer, send_and_wait
 from topics.dead_letter import decode_or_dead_letter
 from topics.readers import read_topic
+from topics.tracing import context_of
 from workers import runtime
 from workers.trainer import checkpoint
 from workers.trainer.advantages import ESTIMATORS
@@ -77,6 +81,8 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
     log = runtime.configure_logging(runtime.run_dir(config) / "logs" / f"{me}.jsonl")
     torch.set_num_threads(config.trainer.threads)
     torch.manual_seed(config.seed)
+    runtime.configure_tracing(config, "trainer")
+    tracer = trace.get_tracer(__name__)
     metrics = runtime.MetricsWriter(runtime.run_dir(config) / "metrics.jsonl", "trainer")
     layout, bootstrap = runtime.topic_layout(config), runtime.bootstrap(config)
     trainer = Trainer(config)
@@ -96,6 +102,7 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
 
         await announce()
         positions: dict[int, int] = dict(st.resume_offsets)
+        traces: dict[str, Context] = {}  # prompt id -> the trace its scored records carried
         pending_drops: list[DroppedGroup] = []
         started = time.monotonic()
         while st.step < cfg.steps and not stop.is_set():
@@ -103,14 +110,16 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
                 for record in records:
                     positions[tp.partition] = record.offset + 1
                     scored = await decode_or_dead_letter(record, Scored, producer, dead_letter_topic=layout.name("dead-letter"), origin=me)
-                    if scored is not None:
-                        buffer.add(scored, (tp.partition, record.offset))
+                    if scored is not None and buffer.add(scored, (tp.partition, record.offset)):
+                        traces.setdefault(scored.prompt_id, context_of(record))
             if redo:
                 groups = buffer.take_exact(redo[0].trajectory_ids)
                 manifest, dropped = (redo.pop(0), []) if groups else (None, [])
             else:
                 groups, dropped = buffer.take(cfg.batch_groups, st.step, cfg.max_staleness)
                 manifest = None
+            for group in dropped:
+                traces.pop(group.prompt_id, None)
             if dropped:
                 st.groups_dropped += len(dropped)
                 pending_drops += dropped
@@ -129,7 +138,15 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
                 await send_and_wait(producer, layout.name("batches"), manifest, key=manifest.step)
                 pending_drops = []
             step_started = time.monotonic()
-            stats = await asyncio.to_thread(trainer.train, groups)
+            with tracer.start_as_current_span("train step", attributes={"asyncrl.step": st.step + 1}) as step_span:
+                group_spans = [  # one per group, in its prompt's trace, linked to the step
+                    tracer.start_span("train group", context=traces.pop(g.prompt_id), links=[Link(step_span.get_span_context())],
+                                      attributes={"asyncrl.prompt_id": g.prompt_id, "asyncrl.step": st.step + 1})
+                    for g in groups if g.prompt_id in traces
+                ]
+                stats = await asyncio.to_thread(trainer.train, groups)
+                for span in group_spans:
+                    span.end()
             await announce(final=st.step >= cfg.steps)
             elapsed = time.monotonic() - started
             metrics.write(
