@@ -123,7 +123,7 @@ class TelemetryConfig(Section):
         float, doc("share of prompts whose whole journey is traced (decided once, at release)", ge=0, le=1)
     ] = 0.05
     otlp_endpoint: Annotated[
-        str, doc("OTLP/HTTP endpoint for spans, e.g. http://127.0.0.1:4318; empty = <run dir>/traces.jsonl")
+        str, doc("OTLP/HTTP endpoint for spans, e.g. http://127.0.0.1:4318; empty = $OTEL_EXPORTER_OTLP_ENDPOINT, else <run dir>/traces.jsonl")
     ] = ""
 
 

@@ -95,7 +95,9 @@ class JsonlSpanExporter(SpanExporter):
 
 
 def configure_tracing(config: RunConfig, role: str) -> None:
-    """A tracer provider for this process: OTLP when configured, else <run dir>/traces.jsonl.
+    """A tracer provider for this process: OTLP/HTTP when an endpoint is configured
+    (`telemetry.otlp_endpoint`, else the standard OTEL_EXPORTER_OTLP_ENDPOINT), else
+    <run dir>/traces.jsonl.
 
     Sampling is decided at the root (the prompt source's release span) and followed
     by every child, so a sampled prompt is traced whole. Buffered spans are flushed
@@ -107,10 +109,11 @@ def configure_tracing(config: RunConfig, role: str) -> None:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
-    if config.telemetry.otlp_endpoint:
+    endpoint = config.telemetry.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    if endpoint:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        exporter = OTLPSpanExporter(endpoint=config.telemetry.otlp_endpoint.rstrip("/") + "/v1/traces")
+        exporter = OTLPSpanExporter(endpoint=endpoint.rstrip("/") + "/v1/traces")
     else:
         exporter = JsonlSpanExporter(run_dir(config) / "traces.jsonl")
     provider = TracerProvider(
