@@ -34,7 +34,35 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_topics_parser(commands)
     add_replay_parser(commands)
+    add_bench_parser(commands)
     return parser
+
+
+def add_bench_parser(commands: argparse._SubParsersAction) -> None:
+    """`asyncrl bench <name>` runs pipeline/bench/<name>.py; its options are declared here, so --help stays light."""
+    bench = commands.add_parser("bench", help="measure the system's parts against baselines")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    generate = kinds.add_parser("generate", help="engine tokens/s vs Hugging Face generate at equal concurrency")
+    add_generate_arguments(generate)
+
+
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="runs/bench/generate.json", help="JSON results file (default: %(default)s)")
+    parser.add_argument("--concurrency", type=int, default=64,
+                        help="engine max_batch, and HF batch size unless --hf-batch (default: %(default)s)")
+    parser.add_argument("--requests", type=int, default=256,
+                        help="requests per length distribution (default: %(default)s)")
+    parser.add_argument("--max-new-tokens", type=int, default=96,
+                        help="the longest output; every fixed-length request is this long (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="weights, prompts, lengths and sampling (default: %(default)s)")
+    parser.add_argument("--hf-batch", type=int, default=None, help="HF generate batch size (default: --concurrency)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads; more only pays on an idle machine, tiny matmuls lose under contention "
+                             "(default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="alternating runs per system and length distribution; the fastest counts "
+                             "(default: %(default)s)")
 
 
 def add_topics_parser(commands: argparse._SubParsersAction) -> None:
@@ -86,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     stray = [word for word in extra if word.startswith("-") or "=" not in word]
-    if stray or (extra and args.command in ("broker", "topics", "replay")):
+    if stray or (extra and args.command in ("broker", "topics", "replay", "bench")):
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:  # overrides written after an option, e.g. `run --no-progress trainer.lr=1e-4`
         args.overrides = [*args.overrides, *extra]
@@ -95,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in ("topics", "replay"):
             return inspect_run(args)
+        if args.command == "bench":
+            from pipeline.bench import run as run_bench
+
+            return run_bench(args)
         if args.command == "broker":
             from topics.broker import serve_forever
 

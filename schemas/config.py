@@ -46,6 +46,7 @@ class RolloutConfig(Section):
     max_batch: Annotated[int, doc("sequences decoded together by one engine", ge=1)] = 64
     temperature: Annotated[float, doc("sampling temperature (0 = greedy)", ge=0)] = 1.0
     top_p: Annotated[float, doc("nucleus sampling mass", gt=0, le=1)] = 1.0
+    top_k: Annotated[int, doc("sample among the k most likely tokens; 0 = off", ge=0)] = 0
     max_new_tokens: Annotated[int, doc("completion length limit", ge=1)] = 16
     interrupt: Annotated[bool, doc("interrupt in-flight sequences when new weights arrive")] = True
     threads: Annotated[int, doc("torch CPU threads of each rollout worker", ge=1)] = 1

@@ -45,17 +45,49 @@ def test_greedy_matches_hf_generate(model):
         assert seq.finish_reason == "length" and seq.versions == [0] * GREEDY.max_new_tokens
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.7])
-def test_behaviour_logprobs_match_full_forward(model, top_p):
-    params = SamplingParams(temperature=1.0, top_p=top_p, max_new_tokens=10)
+def full_forward_logits(model, seq) -> torch.Tensor:
+    """Next-token logits [new, V] at every generated position, from one forward of the whole sequence."""
+    ids = torch.tensor([seq.prompt_ids + seq.token_ids])  # [1, T]
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()  # [T, V]
+    return logits[len(seq.prompt_ids) - 1:-1]
+
+
+@pytest.mark.parametrize("top_p,top_k", [(1.0, 0), (0.7, 0), (1.0, 3), (0.8, 4)])
+def test_behaviour_logprobs_match_full_forward(model, top_p, top_k):
+    params = SamplingParams(temperature=1.0, top_p=top_p, max_new_tokens=10, top_k=top_k)
     seqs = Engine(model, seed=0).generate(PROMPTS, params)
     for seq in seqs:
-        ids = torch.tensor([seq.prompt_ids + seq.token_ids])  # [1, T]
-        with torch.no_grad():
-            logp = torch.log_softmax(model(ids).logits[0].float(), -1)  # [T, V]
-        n = len(seq.prompt_ids)
-        want = logp[n - 1:-1].gather(-1, torch.tensor(seq.token_ids)[:, None]).squeeze(-1)  # [new]
+        logp = torch.log_softmax(full_forward_logits(model, seq), -1)  # [new, V], unfiltered
+        want = logp.gather(-1, torch.tensor(seq.token_ids)[:, None]).squeeze(-1)  # [new]
         torch.testing.assert_close(torch.tensor(seq.logprobs), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.5])
+def test_top_k_one_is_greedy(model, top_p):
+    greedy = Engine(model).generate(PROMPTS, GREEDY)
+    params = SamplingParams(temperature=1.5, top_p=top_p, top_k=1, max_new_tokens=12)
+    sampled = Engine(model, seed=0).generate(PROMPTS, params)
+    assert [s.token_ids for s in sampled] == [s.token_ids for s in greedy]
+    assert all(lp < 0 for s in sampled for lp in s.logprobs)  # still the full tempered distribution, not 1
+
+
+def test_top_k_is_per_sequence_and_bounds_every_draw(model):
+    engine = Engine(model, seed=0)
+    capped = [engine.submit(f"k{i}", p, SamplingParams(temperature=2.0, top_k=2, max_new_tokens=20))
+              for i, p in enumerate(PROMPTS * 3)]
+    free = [engine.submit(f"f{i}", p, SamplingParams(temperature=2.0, max_new_tokens=20))
+            for i, p in enumerate(PROMPTS)]
+    while not engine.idle():
+        engine.step()
+
+    def ranks(seq) -> torch.Tensor:
+        logits = full_forward_logits(model, seq)  # [new, V]
+        return (logits > logits.gather(-1, torch.tensor(seq.token_ids)[:, None])).sum(-1)  # [new], 0 = argmax
+
+    capped_ranks = torch.cat([ranks(s) for s in capped])
+    assert capped_ranks.max() <= 1 and capped_ranks.min() == 0 and (capped_ranks == 1).any()
+    assert torch.cat([ranks(s) for s in free]).max() >= 2  # the same batch drew outside the top 2 for uncapped rows
 
 
 def test_seed_reproducible(model):
@@ -120,3 +152,5 @@ def test_finish_reasons_and_max_batch(model):
     assert all(s.finish_reason in ("stop", "length") and len(s.token_ids) <= 3 for s in queued)
     with pytest.raises(ValueError):
         engine.submit("bad", [1], SamplingParams(top_p=0.0))
+    with pytest.raises(ValueError):
+        engine.submit("bad", [1], SamplingParams(top_k=-1))

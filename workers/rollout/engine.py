@@ -15,9 +15,12 @@ both caches to a common length. A weight update recomputes every row the same wa
 
 Behaviour logprobs are log_softmax(logits / temperature) (plain log_softmax for
 temperature 0) over the full vocabulary, taken from the same logits the sampler used
-and *before* top-p filtering: top-p only restricts which token may be drawn. This keeps
-π_behav a property of the policy at that temperature, which is what the trainer
+and *before* top-k/top-p filtering: they only restrict which token may be drawn. This
+keeps π_behav a property of the policy at that temperature, which is what the trainer
 recomputes as π_prox/π_θ, rather than of a truncated sampling distribution.
+
+Top-k and top-p combine as in Hugging Face's warpers: keep the k most likely tokens,
+then the smallest prefix of those whose renormalised mass reaches top_p.
 """
 
 from collections import deque
@@ -29,6 +32,8 @@ from transformers import DynamicCache
 
 from workers.weights import load_into
 
+NO_TOP_K = torch.iinfo(torch.long).max  # a rank no token reaches
+
 
 @dataclass
 class SamplingParams:
@@ -36,6 +41,7 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 32
     stop_token_ids: tuple[int, ...] = ()
+    top_k: int = 0  # 0 = off; last, so positional construction of the fields above still works
 
 
 @dataclass
@@ -85,7 +91,8 @@ class Engine:
         self.logits: torch.Tensor | None = None  # [B, V] float32
         self.temperature: torch.Tensor | None = None  # [B]
         self.top_p: torch.Tensor | None = None  # [B]
-        self.any_random = self.any_top_p = False  # skip sampling work the batch does not need
+        self.top_k: torch.Tensor | None = None  # [B], NO_TOP_K where off
+        self.any_random = self.any_filter = False  # skip sampling work the batch does not need
 
     # ---- public API ----
 
@@ -93,7 +100,7 @@ class Engine:
         """Queue a request; it joins the batch at the next step with room."""
         if not prompt_ids:
             raise ValueError("empty prompt")
-        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.max_new_tokens < 1:
+        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.max_new_tokens < 1 or params.top_k < 0:
             raise ValueError(f"bad sampling params {params}")
         if self.max_len is not None and len(prompt_ids) >= self.max_len:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under {self.max_len} positions")
@@ -226,14 +233,16 @@ class Engine:
 
     def _clear(self) -> None:
         self.rows = []
-        self.cache = self.mask = self.logits = self.temperature = self.top_p = None
+        self.cache = self.mask = self.logits = self.temperature = self.top_p = self.top_k = None
 
     def _sampling_tensors(self) -> None:
         """Per-row sampling settings as device tensors, rebuilt only when the row set changes."""
         self.temperature = torch.tensor([s.params.temperature for s in self.rows], device=self.device)  # [B]
         self.top_p = torch.tensor([s.params.top_p for s in self.rows], device=self.device)  # [B]
+        self.top_k = torch.tensor([s.params.top_k or NO_TOP_K for s in self.rows], device=self.device)  # [B]
         self.any_random = any(s.params.temperature > 0 for s in self.rows)
-        self.any_top_p = any(s.params.temperature > 0 and s.params.top_p < 1 for s in self.rows)
+        self.any_filter = any(s.params.temperature > 0 and (s.params.top_p < 1 or s.params.top_k > 0)
+                              for s in self.rows)
 
     # ---- model calls ----
 
@@ -246,17 +255,23 @@ class Engine:
         self.logits = out.logits[:, -1].float()  # [B, V]
 
     def _sample(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draw one token per row; return it with its behaviour logprob (pre-top-p, see module doc)."""
+        """Draw one token per row; return it with its behaviour logprob (pre-filtering, see module doc)."""
         greedy = self.temperature == 0  # [B]
         temp = torch.where(greedy, 1.0, self.temperature)  # [B]
         logp = torch.log_softmax(self.logits / temp[:, None], dim=-1)  # [B, V]
         tokens = self.logits.argmax(-1)  # [B]
         if self.any_random:
             allowed = logp
-            if self.any_top_p:
+            if self.any_filter:
                 sorted_logp, order = logp.sort(-1, descending=True)  # [B, V]
-                probs = sorted_logp.exp()  # [B, V]
-                outside = probs.cumsum(-1) - probs >= self.top_p[:, None]  # [B, V], mass before it reaches top_p
+                rank = torch.arange(logp.shape[-1], device=self.device)  # [V]
+                beyond_k = rank >= self.top_k[:, None]  # [B, V], exactly k candidates even under ties
+                probs = sorted_logp.exp().masked_fill(beyond_k, 0.0)  # [B, V]
+                cum = probs.cumsum(-1)  # [B, V]
+                before = (cum - probs) / cum[:, -1:]  # [B, V], renormalised top-k mass ranked above it
+                # [B, V]; top_p=1 must never cut, even where rounding pushes `before` to 1
+                beyond_p = (before >= self.top_p[:, None]) & (self.top_p[:, None] < 1)
+                outside = beyond_k | beyond_p  # [B, V]
                 outside = torch.empty_like(outside).scatter_(-1, order, outside)  # [B, V], back to vocab order
                 allowed = logp.masked_fill(outside, float("-inf"))  # [B, V]
             drawn = torch.multinomial(allowed.exp(), 1, generator=self.generator).squeeze(-1)  # [B]

@@ -55,7 +55,8 @@ class Rollout:
         eos = AutoTokenizer.from_pretrained(config.model.path).eos_token_id
         self.engine = Engine(model, max_batch=config.rollout.max_batch, version=0, seed=config.seed)
         cfg = config.rollout
-        self.params = SamplingParams(cfg.temperature, cfg.top_p, cfg.max_new_tokens, (eos,) if eos is not None else ())
+        self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                     max_new_tokens=cfg.max_new_tokens, stop_token_ids=(eos,) if eos is not None else ())
         self.groups: dict[str, InFlight] = {}  # prompt id -> group
         self.counter = itertools.count()
         self.interrupted = 0

@@ -107,16 +107,19 @@ def accumulate_gradients(
     prox: torch.Tensor | None,  # [N, T-1] log pi_prox; None = this pass's own logprobs
     split: Allocator,
     temperature: float,
+    totals: tuple[float, float] | None = None,
     **loss_options,
 ) -> tuple[dict[str, float], torch.Tensor]:
     """Backward of one minibatch's loss, one packed micro-batch at a time.
 
     Every micro-batch loss is divided by the totals of the whole minibatch, so the
     accumulated gradients (and the summed loss) are those of the minibatch in one
-    piece. `loss_options` are the keyword arguments of `decoupled_ppo_loss`.
+    piece. `totals`: those of the whole minibatch when `batch` is only one rank's
+    share of it (default: `batch`'s own). `loss_options` are the keyword arguments
+    of `decoupled_ppo_loss`.
     Returns the stats and this pass's logprobs, [N, T-1], detached.
     """
-    totals = batch_totals(batch.loss_mask)
+    totals = totals if totals is not None else batch_totals(batch.loss_mask)
     own_logp = torch.zeros_like(batch.behav_logp)  # [N, T-1]
     parts = []
     for rows in batch.microbatches(split):

@@ -1,0 +1,204 @@
+"""`asyncrl bench generate`: the embedded engine's continuous batching against Hugging Face `generate`.
+
+Both systems run the same model (the demo-sized Qwen2, random weights), the same prompts
+and the same output length per request, at the same concurrency. Lengths are forced so
+that only batching differs: sampling has no stop token and each request's max_new_tokens
+is drawn up front, so both produce exactly the same useful tokens. Hugging Face runs as a
+static batcher would: requests in arrival order, `hf_batch` at a time, left-padded, each
+batch decoded to its longest request; tokens past a request's own length are waste and
+are not counted.
+
+Two length distributions: long-tailed (what RL rollouts look like: most answers short, a
+few running to the limit, where static batching idles on the stragglers) and fixed (every
+request at the limit, where static batching wastes nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm import tqdm
+
+from pipeline.demo_model import build_model, build_tokenizer
+from workers.rollout.engine import Engine, SamplingParams
+
+PROMPT_LENGTHS = (4, 16)  # uniform, inclusive: the demo task's prompts are this short
+TAIL_MEDIAN_FRACTION = 1 / 8  # long-tailed lengths: median at 1/8 of the limit...
+TAIL_SIGMA = 1.0  # ...log-normal spread, so ~2 % of requests hit the limit
+
+
+@dataclass
+class Settings:
+    """Defaults live with the CLI options (pipeline/cli.py), which must not import this module for --help."""
+
+    concurrency: int
+    requests: int
+    max_new_tokens: int
+    seed: int
+    hf_batch: int | None  # None = concurrency
+    threads: int
+    repeats: int
+    temperature: float = 1.0
+
+
+def long_tailed_lengths(n: int, limit: int, rng: random.Random) -> list[int]:
+    """Log-normal output lengths clipped to [1, limit]: most short, a few at the limit."""
+    median = max(1.0, limit * TAIL_MEDIAN_FRACTION)
+    return [min(limit, max(1, round(rng.lognormvariate(math.log(median), TAIL_SIGMA)))) for _ in range(n)]
+
+
+def summary(lengths: list[int]) -> dict[str, float]:
+    ordered = sorted(lengths)
+    return {"total": sum(ordered), "mean": round(sum(ordered) / len(ordered), 2), "p50": ordered[len(ordered) // 2],
+            "p90": ordered[int(len(ordered) * 0.9)], "max": ordered[-1]}
+
+
+def run_engine(model, prompts: list[list[int]], lengths: list[int], s: Settings, bar: tqdm) -> dict:
+    """Submit everything at once; the engine keeps `concurrency` rows busy, admitting as rows finish."""
+    engine = Engine(model, max_batch=s.concurrency, seed=s.seed)
+    start = time.perf_counter()
+    seqs = [engine.submit(str(i), p, SamplingParams(temperature=s.temperature, max_new_tokens=n))
+            for i, (p, n) in enumerate(zip(prompts, lengths))]
+    steps = 0
+    while not engine.idle():
+        bar.update(sum(len(seq.token_ids) for seq in engine.step()))
+        steps += 1
+    seconds = time.perf_counter() - start
+    if [len(seq.token_ids) for seq in seqs] != lengths:
+        raise RuntimeError("engine produced other lengths than requested")
+    return {"seconds": round(seconds, 3), "tokens_per_s": round(sum(lengths) / seconds, 1), "steps": steps}
+
+
+def run_hf(model, prompts: list[list[int]], lengths: list[int], s: Settings, bar: tqdm) -> dict:
+    """Static batching: fixed batches in arrival order, each decoded to its longest request."""
+    batch = s.hf_batch or s.concurrency
+    torch.manual_seed(s.seed)
+    generated = 0
+    start = time.perf_counter()
+    for first in range(0, len(prompts), batch):
+        chunk, wanted = prompts[first:first + batch], lengths[first:first + batch]
+        width, longest = max(map(len, chunk)), max(wanted)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])  # [b, width], left-padded
+        mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in chunk])[:, None]).long()  # [b, width]
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=s.temperature,
+                             top_p=1.0, top_k=0, max_new_tokens=longest, pad_token_id=0, eos_token_id=None)
+        if out.shape[1] != width + longest:
+            raise RuntimeError("HF generate stopped early; the comparison needs forced lengths")
+        generated += len(chunk) * longest
+        bar.update(sum(wanted))
+    seconds = time.perf_counter() - start
+    return {"seconds": round(seconds, 3), "tokens_per_s": round(sum(lengths) / seconds, 1),
+            "generated_tokens": generated, "useful_fraction": round(sum(lengths) / generated, 3)}
+
+
+def fastest(runs: list[dict]) -> dict:
+    """The quickest of repeated runs: load from other processes only ever slows a run down."""
+    return {**min(runs, key=lambda r: r["seconds"]), "seconds_all": [r["seconds"] for r in runs]}
+
+
+def warm_up(model, prompts: list[list[int]], s: Settings) -> None:
+    """One small untimed run of each system, so first-call costs land in neither measurement."""
+    small = Settings(**{**asdict(s), "concurrency": 8, "hf_batch": 8})
+    quiet, few = tqdm(disable=True), prompts[:8]
+    run_engine(model, few, [4] * len(few), small, quiet)
+    run_hf(model, few, [4] * len(few), small, quiet)
+
+
+def benchmark(s: Settings) -> dict:
+    rng = random.Random(s.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = build_tokenizer(tmp)
+        model = build_model(tmp, tokenizer, seed=s.seed).eval()
+    limit = model.config.max_position_embeddings
+    if PROMPT_LENGTHS[1] + s.max_new_tokens > limit:
+        raise ValueError(f"--max-new-tokens {s.max_new_tokens} plus {PROMPT_LENGTHS[1]}-token prompts "
+                         f"exceed the model's {limit} positions")
+    model.generation_config.eos_token_id = None  # lengths are forced; nothing may stop a request early
+    vocab = [tokenizer.convert_tokens_to_ids(c) for c in "0123456789+="]
+    prompts = [[rng.choice(vocab) for _ in range(rng.randint(*PROMPT_LENGTHS))] for _ in range(s.requests)]
+    scenarios = {"long_tailed": long_tailed_lengths(s.requests, s.max_new_tokens, rng),
+                 "fixed": [s.max_new_tokens] * s.requests}
+    warm_up(model, prompts, s)
+
+    results = {}
+    total = 2 * s.repeats * sum(sum(lengths) for lengths in scenarios.values())
+    with tqdm(total=total, unit="tok", desc="bench generate", file=sys.stderr) as bar:
+        for name, lengths in scenarios.items():
+            runs = {"engine": [], "hf": []}
+            for attempt in range(1, s.repeats + 1):  # alternate, so a burst of load elsewhere hits both alike
+                bar.set_description(f"{name} {attempt}/{s.repeats}: engine")
+                runs["engine"].append(run_engine(model, prompts, lengths, s, bar))
+                bar.set_description(f"{name} {attempt}/{s.repeats}: hf generate")
+                runs["hf"].append(run_hf(model, prompts, lengths, s, bar))
+            engine, hf = (fastest(runs[system]) for system in ("engine", "hf"))
+            results[name] = {"lengths": summary(lengths), "engine": engine, "hf": hf,
+                             "speedup_vs_hf": round(engine["tokens_per_s"] / hf["tokens_per_s"], 3)}
+    return {
+        "speedup_vs_hf": results["long_tailed"]["speedup_vs_hf"],
+        "speedup_vs_hf_fixed": results["fixed"]["speedup_vs_hf"],
+        "scenarios": results,
+        "settings": {**asdict(s), "hf_batch": s.hf_batch or s.concurrency, "prompt_lengths": list(PROMPT_LENGTHS),
+                     "long_tail": f"lognormal(median={TAIL_MEDIAN_FRACTION:g}*max_new_tokens, sigma={TAIL_SIGMA:g})"
+                                  " clipped to [1, max_new_tokens]",
+                     "stop_tokens": None, "top_p": 1.0, "top_k": 0},
+        "model": {"name": "demo-sized Qwen2, random weights", "parameters": sum(p.numel() for p in model.parameters()),
+                  "vocab_size": model.config.vocab_size, "layers": model.config.num_hidden_layers,
+                  "hidden_size": model.config.hidden_size, "dtype": str(model.dtype)},
+        "machine": {"cpu_count": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
+                    "torch_threads": torch.get_num_threads(), "device": "cpu", "torch": torch.__version__,
+                    "transformers": transformers.__version__, "python": platform.python_version(),
+                    "platform": platform.platform()},
+    }
+
+
+def table(report: dict) -> str:
+    settings = report["settings"]
+    lines = [f"best of {settings['repeats']} alternating runs, concurrency {settings['concurrency']}, "
+             f"{settings['requests']} requests, {report['machine']['torch_threads']} torch thread(s)",
+             f"{'lengths':<12} {'system':<13} {'useful tok':>10} {'seconds':>8} {'tok/s':>9} {'speedup':>8}"]
+    for name, r in report["scenarios"].items():
+        useful = r["lengths"]["total"]
+        lines.append(f"{name:<12} {'engine':<13} {useful:>10} {r['engine']['seconds']:>8.2f} "
+                     f"{r['engine']['tokens_per_s']:>9.1f} {r['speedup_vs_hf']:>7.2f}x")
+        lines.append(f"{'':<12} {'hf generate':<13} {useful:>10} {r['hf']['seconds']:>8.2f} "
+                     f"{r['hf']['tokens_per_s']:>9.1f} {'1.00x':>8}")
+    long = report["scenarios"]["long_tailed"]
+    lines.append(f"long-tailed lengths: mean {long['lengths']['mean']}, p50 {long['lengths']['p50']}, "
+                 f"p90 {long['lengths']['p90']}, max {long['lengths']['max']}; "
+                 f"HF useful fraction {long['hf']['useful_fraction']:.0%}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    s = Settings(concurrency=args.concurrency, requests=args.requests, max_new_tokens=args.max_new_tokens,
+                 seed=args.seed, hf_batch=args.hf_batch, threads=args.threads, repeats=args.repeats)
+    if min(s.concurrency, s.requests, s.max_new_tokens, s.hf_batch or 1, s.threads, s.repeats) < 1:
+        print("asyncrl: --concurrency, --requests, --max-new-tokens, --hf-batch, --threads and --repeats "
+              "must be positive", file=sys.stderr)
+        return 2
+    torch.set_num_threads(s.threads)
+    transformers.logging.set_verbosity_error()  # generate's notes on flags would break the progress bar
+    transformers.utils.logging.disable_progress_bar()  # build_model's save is not part of the benchmark
+    try:
+        report = benchmark(s)
+    except ValueError as exc:
+        print(f"asyncrl: {exc}", file=sys.stderr)
+        return 2
+    print(table(report))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0

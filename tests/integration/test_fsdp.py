@@ -1,0 +1,97 @@
+"""Two gloo ranks under torchrun (FSDP2) train exactly as one process does on the same batch.
+
+The file is also the ranks' program: torchrun runs it with the path to write rank 0's results to.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from workers.trainer.distributed import close_distributed, distributed_train_step, full_state_dict, init_distributed, shard_model
+from workers.trainer.microbatch import allocate_dynamic
+from workers.trainer.step import collate, train_step
+from workers.weights import unique_state_dict
+
+# (prompt, completion) lengths: 30 tokens on one rank, 31 on the other; under a 16-token budget
+# rank 0 has one micro-batch and rank 1 two, so rank 0 pads with a filler micro-batch
+SHAPES = [(10, 20), (2, 2), (1, 3), (3, 2), (1, 2), (2, 4), (3, 1), (4, 1)]
+CASES = {  # 8 minibatches of one row: rank 1 has no rows and runs fillers only
+    "naive, whole batch": dict(decoupled=False, minibatches=1),
+    "decoupled, 2 minibatches": dict(decoupled=True, minibatches=2),
+    "decoupled, 8 minibatches": dict(decoupled=True, minibatches=8),
+}
+OPTIONS = dict(grad_clip=0.05, temperature=0.9, split=partial(allocate_dynamic, max_tokens=16),
+               clip_eps=0.2, behaviour_weight_cap=1.5, behaviour_weight_mode="mask")
+
+
+def make_model() -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
+                         tie_word_embeddings=True)  # as small Qwen2 models: one tensor, two names
+    return Qwen2ForCausalLM(config).float()
+
+
+def make_batch():
+    g = torch.Generator().manual_seed(1)
+    sequences = [
+        (torch.randint(1, 32, (p,), generator=g).tolist(), torch.randint(1, 32, (c,), generator=g).tolist(),
+         (-3 * torch.rand(c, generator=g)).tolist())
+        for p, c in SHAPES
+    ]
+    return collate(sequences, torch.randn(len(SHAPES), generator=g).tolist(), pad_id=0)
+
+
+def train(step, model, case):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return step(model, optimizer, make_batch(), **case, **OPTIONS)
+
+
+def run_ranks(out: Path) -> None:
+    """One rank: every case on a fresh sharded model; rank 0 saves the stats, full weights and last gradients."""
+    torch.set_num_threads(1)
+    init_distributed()
+    try:
+        results = {}
+        for name, case in CASES.items():
+            model = shard_model(make_model())
+            stats = train(distributed_train_step, model, case)
+            grads = {key: p.grad.full_tensor() for key, p in model.named_parameters()}  # the last minibatch's, clipped
+            results[name] = stats, full_state_dict(model), grads
+        if dist.get_rank() == 0:
+            torch.save(results, out)
+    finally:
+        close_distributed()
+
+
+def test_two_fsdp_ranks_match_one_process(tmp_path):
+    out = tmp_path / "ranks.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                    __file__, str(out)], check=True, timeout=120, env=env)
+    results = torch.load(out)
+    for name, case in CASES.items():
+        model = make_model()
+        want = train(train_step, model, case)
+        got, weights, grads = results[name]
+        assert want["grad_norm"] > OPTIONS["grad_clip"], name  # clipping took effect
+        for key in ("loss", "grad_norm", "entropy", "clip_fraction", "ratio_mean", "prox_behav_abs_diff"):
+            assert abs(got[key] - want[key]) <= 1e-5, (name, key, got[key], want[key])
+        for key, p in model.named_parameters():  # AdamW's first step hardly depends on the gradient's scale
+            torch.testing.assert_close(grads[key], p.grad, rtol=0, atol=1e-6, msg=f"{name}: grad of {key}")
+        expected = unique_state_dict(model)
+        assert weights.keys() == expected.keys()
+        for key, tensor in expected.items():
+            torch.testing.assert_close(weights[key], tensor, rtol=0, atol=1e-5, msg=f"{name}: {key}")
+
+
+if __name__ == "__main__":
+    run_ranks(Path(sys.argv[1]))

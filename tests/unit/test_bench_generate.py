@@ -1,0 +1,19 @@
+"""`asyncrl bench generate` runs end to end on a tiny setting and reports what its JSON promises (no timing asserted)."""
+
+import json
+
+from pipeline.cli import main
+
+
+def test_bench_generate_writes_its_headline_and_settings(tmp_path, capsys):
+    out = tmp_path / "generate.json"
+    assert main(["bench", "generate", "--requests", "8", "--concurrency", "4", "--max-new-tokens", "8",
+                 "--repeats", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["speedup_vs_hf"] > 0 and result["speedup_vs_hf_fixed"] > 0
+    assert result["machine"]["cpu_count"] >= 1 and result["machine"]["torch"]
+    assert result["settings"]["concurrency"] == 4 and result["settings"]["requests"] == 8
+    for scenario in result["scenarios"].values():
+        # both systems produced exactly the useful tokens the lengths asked for
+        assert scenario["lengths"]["total"] > 0 and scenario["engine"]["tokens_per_s"] > 0
+    assert "speedup" in capsys.readouterr().out
