@@ -44,6 +44,16 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     kinds = bench.add_subparsers(dest="bench", required=True)
     generate = kinds.add_parser("generate", help="engine tokens/s vs Hugging Face generate at equal concurrency")
     add_generate_arguments(generate)
+    pipeline = kinds.add_parser("pipeline", help="training throughput: eta=0 vs eta=4, interruption on vs off")
+    pipeline.add_argument("--out", default="runs/bench/pipeline.json", help="JSON results file (default: %(default)s)")
+    pipeline.add_argument("--steps", type=int, default=60, help="trainer steps per run (default: %(default)s)")
+    pipeline.add_argument("--warmup-steps", type=int, default=10,
+                          help="steps left out of the measurement (default: %(default)s)")
+    pipeline.add_argument("--max-new-tokens", type=int, default=64, help="output length limit (default: %(default)s)")
+    pipeline.add_argument("--batch-groups", type=int, default=8, help="groups per step (default: %(default)s)")
+    pipeline.add_argument("--n-samples", type=int, default=8, help="samples per group (default: %(default)s)")
+    pipeline.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    pipeline.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import random
 import sys
 import tempfile
@@ -31,6 +29,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
+from pipeline.bench import machine
 from pipeline.demo_model import build_model, build_tokenizer
 from workers.rollout.engine import Engine, SamplingParams
 
@@ -156,10 +155,7 @@ def benchmark(s: Settings) -> dict:
         "model": {"name": "demo-sized Qwen2, random weights", "parameters": sum(p.numel() for p in model.parameters()),
                   "vocab_size": model.config.vocab_size, "layers": model.config.num_hidden_layers,
                   "hidden_size": model.config.hidden_size, "dtype": str(model.dtype)},
-        "machine": {"cpu_count": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
-                    "torch_threads": torch.get_num_threads(), "device": "cpu", "torch": torch.__version__,
-                    "transformers": transformers.__version__, "python": platform.python_version(),
-                    "platform": platform.platform()},
+        "machine": {**machine(), "device": "cpu"},
     }
 
 

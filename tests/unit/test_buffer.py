@@ -64,3 +64,28 @@ def test_exact_rebuild_and_resume_positions():
     assert buffer.take_exact(["y/0", "z/0"]) is None  # z not here yet
     [group] = buffer.take_exact(["y/0", "y/1"])
     assert group.prompt_id == "y" and buffer.oldest_positions() == {0: 4}
+
+
+def test_the_trainer_waits_for_a_group_at_its_deadline_instead_of_stepping_past_it():
+    buffer = GroupBuffer()
+    buffer.note_release("straggler", 0)  # released at v0: must train by v4 (eta = 4)
+    buffer.note_release("quick", 1)
+    fill(buffer, "quick", 1, version=1)
+    buffer.add(scored("straggler", 0, release_index=0, version=0), (0, 9))  # one sample still generating
+    # at v3 the straggler is not due yet: the complete group trains
+    assert [g.prompt_id for g in buffer.take(1, trainer_version=3, max_staleness=4)[0]] == ["quick"]
+    # at v4 it is due: no batch until it is complete, and nothing is dropped
+    assert buffer.take(1, trainer_version=4, max_staleness=4) == ([], [])
+    fill(buffer, "newer", 9, version=4)
+    assert buffer.take(1, trainer_version=4, max_staleness=4) == ([], [])
+    buffer.add(scored("straggler", 1, release_index=0, version=0), (0, 10))
+    assert [g.prompt_id for g in buffer.take(1, trainer_version=4, max_staleness=4)[0]] == ["straggler"]
+
+
+def test_a_release_seen_too_late_is_dropped_not_waited_for():
+    buffer = GroupBuffer()
+    buffer.note_release("never-complete", 0)
+    batch, dropped = buffer.take(1, trainer_version=5, max_staleness=4)
+    assert batch == [] and [d.prompt_id for d in dropped] == ["never-complete"]
+    buffer.note_release("never-complete", 0)  # a redelivered release changes nothing
+    assert buffer.take(1, trainer_version=5, max_staleness=4) == ([], [])

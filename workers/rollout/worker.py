@@ -59,7 +59,8 @@ class Rollout:
                                      max_new_tokens=cfg.max_new_tokens, stop_token_ids=(eos,) if eos is not None else ())
         self.groups: dict[str, InFlight] = {}  # prompt id -> group
         self.counter = itertools.count()
-        self.interrupted = 0
+        self.interrupted = 0  # segments cut by a new version
+        self.generated_tokens = 0  # every token emitted, interrupted runs included
         self.tracer = trace.get_tracer(__name__)
 
     async def start(self, flight: InFlight) -> bool:
@@ -111,6 +112,7 @@ class Rollout:
             group=flight.group if index == 0 else None, error=error,
         ), key=key, headers=trace_headers(span))
         flight.segments_sent[key], flight.last_sent_ns[key] = index + 1, now
+        self.generated_tokens += len(tokens)
 
     async def update_weights(self, announced: WeightVersion) -> None:
         """Interrupt: emit partial segments, load the version, recompute caches (in the engine)."""
@@ -147,7 +149,8 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
         rollout = Rollout(config, me, producer, layout.name("segments"))
         commits, waiting, latest = CommitTracker(), [], None
         log.info("rollout started", max_batch=config.rollout.max_batch, interrupt=config.rollout.interrupt)
-        last_commit = time.monotonic()
+        last_commit = last_report = time.monotonic()
+        metrics = runtime.MetricsWriter(runtime.run_dir(config) / "metrics.jsonl", "rollout")
         while not stop.is_set():
             for record in (await weights.getmany(timeout_ms=0)).get(TopicPartition(layout.name("weights"), 0), []):
                 announced = await decode_or_dead_letter(record, WeightVersion, producer, dead_letter_topic=dead_letter, origin=me)
@@ -187,4 +190,8 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
                 await producer.flush()  # everything emitted is on the broker before its prompt is committed
                 await prompts.commit(offsets)
                 last_commit = time.monotonic()
+            if time.monotonic() - last_report > 1.0:
+                metrics.write(step=rollout.engine.version, worker=me, generated_tokens=rollout.generated_tokens,
+                              interrupted_segments=rollout.interrupted)
+                last_report = time.monotonic()
         log.info("rollout finished", version=rollout.engine.version, interrupted_segments=rollout.interrupted)

@@ -37,6 +37,12 @@ class GroupBuffer:
         self.seen: set[str] = set(done_trajectories)  # trajectory ids trained, dropped or buffered
         self.done_prompts: set[str] = set(done_prompts)  # groups trained or dropped
         self.groups: dict[str, Group] = {}
+        self.outstanding: dict[str, int] = {}  # released, not yet trained or dropped -> released_at_version
+
+    def note_release(self, prompt_id: str, released_at_version: int) -> None:
+        """A group the prompt source released: it must be trained by version released_at_version + eta."""
+        if prompt_id not in self.done_prompts:
+            self.outstanding[prompt_id] = released_at_version
 
     def add(self, scored: Scored, where: Position) -> bool:
         """Buffer one trajectory; False for a duplicate or a member of a finished group."""
@@ -51,14 +57,23 @@ class GroupBuffer:
         return True
 
     def take(self, batch_groups: int, trainer_version: int, max_staleness: int) -> tuple[list[Group], list[DroppedGroup]]:
-        """Up to `batch_groups` complete groups (oldest release first) and the groups dropped on the way.
+        """`batch_groups` complete groups (oldest release first) and the groups dropped on the way.
 
-        Returns an empty batch until `batch_groups` admissible groups are complete;
-        dropped groups are removed at once either way.
+        A released group whose last admissible version is this one (released at
+        trainer_version - eta) must be in this batch: while one is still incomplete
+        the trainer waits for it rather than step past its deadline, so stragglers
+        (long answers) are trained, not dropped. Groups already past their deadline
+        (possible only if their release was seen late) are dropped with the reason.
+        Returns an empty batch until the batch can be made.
         """
+        released = {g.prompt_id: g.released_at_version for g in self.groups.values()} | self.outstanding
+        dropped = [self._drop(pid, v, trainer_version, max_staleness) for pid, v in sorted(released.items())
+                   if not admissible(trainer_version, v, max_staleness)]
+        due = [pid for pid, v in self.outstanding.items() if staleness(trainer_version, v) == max_staleness]
+        if any(pid not in self.groups or not self.groups[pid].complete for pid in due):
+            return [], dropped
         ready = sorted((g for g in self.groups.values() if g.complete), key=lambda g: g.release_index)
-        dropped = [self._drop(g, trainer_version, max_staleness) for g in ready if not admissible(trainer_version, g.released_at_version, max_staleness)]
-        batch = [g for g in ready if g.prompt_id in self.groups][:batch_groups]
+        batch = ready[:batch_groups]
         if len(batch) < batch_groups:
             return [], dropped
         for group in batch:
@@ -75,9 +90,10 @@ class GroupBuffer:
             self.finish(pid)
         return groups
 
-    def finish(self, prompt_id: str) -> Group:
+    def finish(self, prompt_id: str) -> Group | None:
         self.done_prompts.add(prompt_id)
-        return self.groups.pop(prompt_id)
+        self.outstanding.pop(prompt_id, None)
+        return self.groups.pop(prompt_id, None)
 
     def oldest_positions(self) -> dict[int, int]:
         """Per partition, the smallest offset still buffered: where a restart must read from."""
@@ -87,11 +103,11 @@ class GroupBuffer:
                 oldest[partition] = min(offset, oldest.get(partition, offset))
         return oldest
 
-    def _drop(self, group: Group, trainer_version: int, max_staleness: int) -> DroppedGroup:
-        self.finish(group.prompt_id)
-        lag = staleness(trainer_version, group.released_at_version)
+    def _drop(self, prompt_id: str, released_at_version: int, trainer_version: int, max_staleness: int) -> DroppedGroup:
+        self.finish(prompt_id)
+        lag = staleness(trainer_version, released_at_version)
         return DroppedGroup(
-            prompt_id=group.prompt_id,
-            reason=f"stale: released at v{group.released_at_version}, trainer at v{trainer_version}, "
+            prompt_id=prompt_id,
+            reason=f"stale: released at v{released_at_version}, trainer at v{trainer_version}, "
             f"staleness {lag} > max_staleness {max_staleness}",
         )

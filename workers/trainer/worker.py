@@ -1,5 +1,10 @@
 """The trainer: complete groups from `scored` -> manifest on `batches` -> PPO step -> new weights.
 
+Staleness: a group released at version v is trained by version v + eta; the
+trainer follows `prompts` to know which groups are due and waits for a straggler
+at its deadline rather than stepping past it (dropping it would bias training
+towards short answers).
+
 Exactly once: the manifest of a step is written before the step; a restarted
 trainer loads its last checkpoint, re-reads `scored` from where that checkpoint
 still had untrained records, skips what earlier manifests trained or dropped,
@@ -19,7 +24,7 @@ from opentelemetry.trace import Link
 from transformers import AutoModelForCausalLM
 
 from schemas.config import RunConfig
-from schemas.messages import BatchManifest, DroppedGroup, Scored, WeightVersion
+from schemas.messages import BatchManifest, DroppedGroup, PromptGroup, Scored, WeightVersion
 from topics.clients import assigned_consumer, make_producer, send_and_wait
 from topics.dead_letter import decode_or_dead_letter
 from topics.readers import read_topic
@@ -90,10 +95,15 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
     manifests = [r.message for r in await read_topic(bootstrap, layout.name("batches"), BatchManifest) if isinstance(r.message, BatchManifest)]
     redo = [m for m in manifests if m.step > st.step]  # written, but the step was lost with the process
     done = [m for m in manifests if m.step <= st.step]
-    buffer = GroupBuffer({t for m in done for t in m.trajectory_ids}, {d.prompt_id for m in manifests for d in m.dropped})
+    trained = {t for m in done for t in m.trajectory_ids}
+    buffer = GroupBuffer(trained, {t.rsplit("/", 1)[0] for t in trained} | {d.prompt_id for m in manifests for d in m.dropped})
     log.info("trainer started", step=st.step, redo=[m.step for m in redo], resume_offsets=st.resume_offsets)
 
-    async with make_producer(bootstrap) as producer, assigned_consumer(bootstrap, layout.name("scored"), st.resume_offsets) as consumer:
+    async with (
+        make_producer(bootstrap) as producer,
+        assigned_consumer(bootstrap, layout.name("scored"), st.resume_offsets) as consumer,
+        assigned_consumer(bootstrap, layout.name("prompts")) as releases,  # deadlines of groups still generating
+    ):
         async def announce(final: bool = False) -> None:
             path, digest = write_version(trainer.model, runtime.weights_dir(config), st.step, cfg.keep_versions)
             await send_and_wait(producer, layout.name("weights"), WeightVersion(
@@ -106,6 +116,11 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
         pending_drops: list[DroppedGroup] = []
         started = time.monotonic()
         while st.step < cfg.steps and not stop.is_set():
+            for records in (await releases.getmany(timeout_ms=0)).values():
+                for record in records:
+                    group = await decode_or_dead_letter(record, PromptGroup, producer, dead_letter_topic=layout.name("dead-letter"), origin=me)
+                    if group is not None:
+                        buffer.note_release(group.prompt_id, group.released_at_version)
             for tp, records in (await consumer.getmany(timeout_ms=100)).items():
                 for record in records:
                     positions[tp.partition] = record.offset + 1

@@ -1,0 +1,105 @@
+"""`asyncrl bench pipeline`: the whole pipeline, synchronous against asynchronous, back to back.
+
+Three runs of `asyncrl run` on the same model, data and machine, differing only in
+the staleness bound and interruption:
+
+- sync: eta = 0, the synchronous baseline (generation and training alternate);
+- async: eta = 4 with interruption (the default asyncrl setting);
+- async_no_interrupt: eta = 4, in-flight sequences finish on the old weights first.
+
+The model is the demo-sized Qwen2 without warm-up: it rarely samples its end token
+early, so output lengths are long-tailed (geometric, capped at max_new_tokens), as
+reasoning traces are. Effective training throughput is the completion tokens consumed
+by PPO updates per second after the first `--warmup-steps` steps; generation
+throughput is the tokens the rollout worker emitted per second over the same window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from pipeline.bench import machine
+from pipeline.config import load_config
+from pipeline.launch import run_pipeline
+from pipeline.monitor import read_metrics
+
+VARIANTS = {
+    "sync": ["trainer.max_staleness=0", "rollout.interrupt=true"],
+    "async": ["trainer.max_staleness=4", "rollout.interrupt=true"],
+    "async_no_interrupt": ["trainer.max_staleness=4", "rollout.interrupt=false"],
+}
+
+
+def window_rates(lines: list[dict], warmup_steps: int) -> dict:
+    """Trained and generated tokens per second between the end of warm-up and the last step."""
+    steps = [l for l in lines if l["source"] == "trainer"]
+    first = next(l for l in steps if l["step"] >= warmup_steps)
+    last = steps[-1]
+    measured = [l for l in steps if l["step"] > first["step"]]
+    seconds = last["time"] - first["time"]
+    rollout = [l for l in lines if l["source"] == "rollout" and first["time"] <= l["time"] <= last["time"]]
+    generated = rollout[-1]["generated_tokens"] - rollout[0]["generated_tokens"] if len(rollout) > 1 else 0
+    generated_seconds = rollout[-1]["time"] - rollout[0]["time"] if len(rollout) > 1 else 0.0
+    return {
+        "steps_measured": last["step"] - first["step"],
+        "seconds": round(seconds, 2),
+        "trained_tokens_per_s": round((last["trained_tokens"] - first["trained_tokens"]) / seconds, 1),
+        "steps_per_s": round((last["step"] - first["step"]) / seconds, 3),
+        "generated_tokens_per_s": round(generated / generated_seconds, 1) if generated_seconds else None,
+        "staleness_mean": round(sum(l["staleness_mean"] for l in measured) / len(measured), 2),
+        "interrupted_trajectories": last["interrupted_trajectories"],
+        "trained_tokens": last["trained_tokens"],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    runs_dir = out.parent / "pipeline-runs"
+    common = [f"runs_dir={runs_dir}", f"trainer.steps={args.steps}", "trainer.warmup_steps=0", "eval.every=0",
+              f"rollout.max_new_tokens={args.max_new_tokens}", f"trainer.batch_groups={args.batch_groups}",
+              f"data.n_samples={args.n_samples}", f"seed={args.seed}", "telemetry.sample_ratio=0"]
+    results = {}
+    for name, overrides in VARIANTS.items():
+        print(f"== {name}: {' '.join(overrides)}", flush=True)
+        config = load_config(None, [*common, *overrides, f"name=bench-{name}"])
+        if run_pipeline(config, progress=not args.no_progress) != 0:
+            print(f"asyncrl: the {name} run did not finish", flush=True)
+            return 1
+        lines, _ = read_metrics((runs_dir / "latest" / "metrics.jsonl").resolve())
+        results[name] = {"run_dir": str((runs_dir / "latest").resolve()), **window_rates(lines, args.warmup_steps)}
+        results[name]["mean_completion_tokens"] = round(
+            results[name]["trained_tokens"] / (args.steps * args.batch_groups * args.n_samples), 1)
+    report = {
+        "async_over_sync": round(results["async"]["trained_tokens_per_s"] / results["sync"]["trained_tokens_per_s"], 3),
+        "interrupt_on_over_off": ratio(results["async"]["generated_tokens_per_s"],
+                                       results["async_no_interrupt"]["generated_tokens_per_s"]),
+        "interrupt_on_over_off_trained": round(results["async"]["trained_tokens_per_s"]
+                                               / results["async_no_interrupt"]["trained_tokens_per_s"], 3),
+        "runs": results,
+        "settings": {**vars(args), "variants": VARIANTS, "model": "demo-sized Qwen2 (2.2M), no warm-up",
+                     "workload": "builtin task prompts; outputs end at a sampled end token (long-tailed) "
+                                 "or at max_new_tokens"},
+        "machine": machine(),
+    }
+    print(table(report))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def table(report: dict) -> str:
+    lines = [f"{'run':<20} {'trained tok/s':>13} {'steps/s':>8} {'generated tok/s':>15} {'staleness':>9} {'interrupted':>11}"]
+    for name, r in report["runs"].items():
+        lines.append(f"{name:<20} {r['trained_tokens_per_s']:>13.1f} {r['steps_per_s']:>8.3f} "
+                     f"{r['generated_tokens_per_s'] or 0:>15.1f} {r['staleness_mean']:>9.2f} {r['interrupted_trajectories']:>11}")
+    lines.append(f"async/sync effective training throughput: {report['async_over_sync']:.2f}x")
+    lines.append(f"interruption on/off generation throughput: {report['interrupt_on_over_off']}x "
+                 f"(training throughput {report['interrupt_on_over_off_trained']:.2f}x)")
+    return "\n".join(lines)
