@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
 from aiokafka.structs import RecordMetadata
 
 from schemas.messages import Message, encode
@@ -92,13 +92,14 @@ def header(record: ConsumerRecord, name: str) -> str | None:
 
 
 def make_group_consumer(
-    bootstrap: str, topic: str, group_id: str, **overrides: Any
+    bootstrap: str, topic: str, group_id: str, listener: ConsumerRebalanceListener | None = None, **overrides: Any
 ) -> AIOKafkaConsumer:
     """A consumer (not started: use `async with`) sharing `topic` with its group.
 
     For roles whose workers come and go. Nothing is committed unless the
     worker calls `commit()`; a group with no commit starts at the beginning.
     Joining a group takes seconds (about half the session timeout on Tansu).
+    `listener` hears of partitions taken away or given by a rebalance.
     """
     settings: dict[str, Any] = {
         "bootstrap_servers": bootstrap,
@@ -107,7 +108,9 @@ def make_group_consumer(
         "auto_offset_reset": "earliest",
         **_FETCH_LIMITS,
     }
-    return AIOKafkaConsumer(topic, **(settings | overrides))
+    consumer = AIOKafkaConsumer(**(settings | overrides))
+    consumer.subscribe([topic], listener=listener)
+    return consumer
 
 
 @asynccontextmanager

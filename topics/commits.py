@@ -7,7 +7,7 @@ was still in flight.
 
 from __future__ import annotations
 
-from aiokafka import TopicPartition
+from aiokafka import ConsumerRebalanceListener, TopicPartition
 
 
 class CommitTracker:
@@ -21,7 +21,7 @@ class CommitTracker:
         self._next[tp] = max(self._next.get(tp, 0), offset + 1)
 
     def finished(self, tp: TopicPartition, offset: int) -> None:
-        self._in_flight[tp].discard(offset)
+        self._in_flight.get(tp, set()).discard(offset)  # a forgotten partition's records no longer count
 
     def forget(self, partitions: set[TopicPartition]) -> None:
         """Drop partitions taken away by a rebalance: their records go to another worker."""
@@ -29,6 +29,19 @@ class CommitTracker:
             self._in_flight.pop(tp, None)
             self._next.pop(tp, None)
             self._committed.pop(tp, None)
+
+    def rebalance_listener(self) -> ConsumerRebalanceListener:
+        """For `make_group_consumer`: forget revoked partitions, so no commit is sent for them."""
+        tracker = self
+
+        class Forget(ConsumerRebalanceListener):
+            def on_partitions_revoked(self, revoked) -> None:
+                tracker.forget(set(revoked))
+
+            def on_partitions_assigned(self, assigned) -> None:
+                pass
+
+        return Forget()
 
     def to_commit(self) -> dict[TopicPartition, int]:
         """Per partition, the offset to commit now, where it moved since the last call."""

@@ -18,8 +18,9 @@ def test_commits_only_up_to_the_oldest_record_in_flight():
     assert tracker.to_commit() == {TP: 8}
 
 
-def test_forgotten_partitions_are_not_committed():
+def test_revoked_partitions_are_forgotten_and_not_committed():
     tracker = CommitTracker()
     tracker.started(TP, 0)
-    tracker.forget({TP})
+    tracker.rebalance_listener().on_partitions_revoked([TP])
+    tracker.finished(TP, 0)  # a record of the revoked partition finishing later is no error
     assert tracker.to_commit() == {}

@@ -141,13 +141,15 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
     runtime.configure_tracing(config, "rollout")
     layout, bootstrap = runtime.topic_layout(config), runtime.bootstrap(config)
     dead_letter = layout.name("dead-letter")
+    commits = CommitTracker()
     async with (
         make_producer(bootstrap, linger_ms=5) as producer,
-        make_group_consumer(bootstrap, layout.name("prompts"), f"{layout.prefix}rollout", max_poll_records=64) as prompts,
+        make_group_consumer(bootstrap, layout.name("prompts"), f"{layout.prefix}rollout",
+                            listener=commits.rebalance_listener(), max_poll_records=64) as prompts,
         assigned_consumer(bootstrap, layout.name("weights")) as weights,
     ):
         rollout = Rollout(config, me, producer, layout.name("segments"))
-        commits, waiting, latest = CommitTracker(), [], None
+        waiting, latest = [], None
         log.info("rollout started", max_batch=config.rollout.max_batch, interrupt=config.rollout.interrupt)
         last_commit = last_report = time.monotonic()
         metrics = runtime.MetricsWriter(runtime.run_dir(config) / "metrics.jsonl", "rollout")
