@@ -34,7 +34,6 @@ WORKER_MODULES = {
     "trainer": "workers.trainer.worker",
 }
 STOP_ORDER = ("prompts", "rollout", "reward", "trainer")  # the trainer last: it checkpoints on stop
-MAX_RESTARTS = 3
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are processes already
 
 

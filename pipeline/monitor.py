@@ -19,6 +19,8 @@ from schemas.config import RunConfig
 from workers import runtime
 from workers.weights import version_path
 
+MAX_RESTARTS = 3  # per worker; a worker that keeps failing ends the run as "failed"
+
 
 def read_metrics(path: Path, offset: int = 0) -> tuple[list[dict], int]:
     """Complete lines after byte `offset`, and the offset after them."""
@@ -60,7 +62,7 @@ def follow(config: RunConfig, run_dir: Path, workers: list, evaluator: Evaluator
             for worker in workers:
                 code = worker.process.poll()
                 if code is not None and not (worker.role != "trainer" and code == 0 and step >= config.trainer.steps):
-                    if worker.restarts >= 3:
+                    if worker.restarts >= MAX_RESTARTS:
                         bar.write(f"asyncrl: {worker.name} failed {worker.restarts + 1} times (exit {code}); see {worker.log_path}")
                         return "failed"
                     bar.write(f"asyncrl: {worker.name} exited with {code}; restarting it")

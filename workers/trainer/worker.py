@@ -81,6 +81,24 @@ class Trainer:
         }
 
 
+def restore(manifests: list[BatchManifest], step: int) -> tuple[list[BatchManifest], GroupBuffer]:
+    """After a (re)start at `step`: the manifests to re-execute, and a buffer that skips what is done."""
+    redo = [m for m in manifests if m.step > step]  # written, but the step was lost with the process
+    trained = {t for m in manifests if m.step <= step for t in m.trajectory_ids}
+    dropped = {d.prompt_id for m in manifests for d in m.dropped}
+    return redo, GroupBuffer(trained, {t.rsplit("/", 1)[0] for t in trained} | dropped)
+
+
+def new_manifest(groups: list[Group], version: int, resume: dict[int, int], dropped: list[DroppedGroup]) -> BatchManifest:
+    """The record of the step about to be taken from `version`, written before it."""
+    return BatchManifest(
+        step=version + 1, trainer_version=version,
+        trajectory_ids=[s.trajectory_id for g in groups for s, _ in g.trajectories()],
+        scored_offsets=[where for g in groups for _, where in g.trajectories()],
+        consumed_offsets=sorted(resume.items()), dropped=dropped,
+    )
+
+
 async def main(config: RunConfig, stop: asyncio.Event) -> None:
     me = runtime.worker_id("trainer")
     log = runtime.configure_logging(runtime.run_dir(config) / "logs" / f"{me}.jsonl")
@@ -93,10 +111,7 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
     trainer = Trainer(config)
     st, cfg = trainer.state, config.trainer
     manifests = [r.message for r in await read_topic(bootstrap, layout.name("batches"), BatchManifest) if isinstance(r.message, BatchManifest)]
-    redo = [m for m in manifests if m.step > st.step]  # written, but the step was lost with the process
-    done = [m for m in manifests if m.step <= st.step]
-    trained = {t for m in done for t in m.trajectory_ids}
-    buffer = GroupBuffer(trained, {t.rsplit("/", 1)[0] for t in trained} | {d.prompt_id for m in manifests for d in m.dropped})
+    redo, buffer = restore(manifests, st.step)
     log.info("trainer started", step=st.step, redo=[m.step for m in redo], resume_offsets=st.resume_offsets)
 
     async with (
@@ -109,6 +124,10 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
             await send_and_wait(producer, layout.name("weights"), WeightVersion(
                 version=st.step, uri=str(path.resolve()), content_hash=digest, step=st.step,
                 groups_consumed=st.groups_consumed, groups_dropped=st.groups_dropped, final=final))
+
+        def save_checkpoint() -> None:
+            st.resume_offsets = {**positions, **buffer.oldest_positions()}  # re-read whatever is not trained yet
+            checkpoint.save(trainer.checkpoints, st, trainer.model, trainer.optimizer)
 
         await announce()
         positions: dict[int, int] = dict(st.resume_offsets)
@@ -143,13 +162,7 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
             if not groups:
                 continue
             if manifest is None:
-                resume = {**positions, **buffer.oldest_positions()}
-                manifest = BatchManifest(
-                    step=st.step + 1, trainer_version=st.step,
-                    trajectory_ids=[s.trajectory_id for g in groups for s, _ in g.trajectories()],
-                    scored_offsets=[where for g in groups for _, where in g.trajectories()],
-                    consumed_offsets=sorted(resume.items()), dropped=pending_drops,
-                )
+                manifest = new_manifest(groups, st.step, {**positions, **buffer.oldest_positions()}, pending_drops)
                 await send_and_wait(producer, layout.name("batches"), manifest, key=manifest.step)
                 pending_drops = []
             step_started = time.monotonic()
@@ -172,9 +185,7 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
                 mixed_version_trajectories=st.mixed_version_trajectories, max_staleness_trained=st.max_staleness_trained,
             )
             if st.step % cfg.checkpoint_every == 0 or st.step >= cfg.steps:
-                st.resume_offsets = {**positions, **buffer.oldest_positions()}
-                checkpoint.save(trainer.checkpoints, st, trainer.model, trainer.optimizer)
+                save_checkpoint()
         if stop.is_set() and st.step % cfg.checkpoint_every:
-            st.resume_offsets = {**positions, **buffer.oldest_positions()}
-            checkpoint.save(trainer.checkpoints, st, trainer.model, trainer.optimizer)
+            save_checkpoint()
         log.info("trainer finished", step=st.step, stopped=stop.is_set())
