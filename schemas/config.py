@@ -107,7 +107,13 @@ class TrainerConfig(Section):
     microbatches_fixed: Annotated[
         int, doc("fixed: micro-batches per minibatch (contiguous, equal sequence counts)", ge=1)
     ] = 1
+    kl_coef: Annotated[
+        float, doc("weight of a KL(pi_theta || pi_ref) penalty to the frozen initial model (k3 estimator); 0 = off", ge=0)
+    ] = 0.0
     checkpoint_every: Annotated[int, doc("steps between checkpoints", ge=1)] = 100
+    keep_checkpoints: Annotated[
+        int, doc("checkpoints kept; `asyncrl replay retrain --step N` needs one from before step N", ge=1)
+    ] = 2
     keep_versions: Annotated[int, doc("weight versions kept on shared storage", ge=2)] = 4
     weights_dir: Annotated[str, doc("shared storage for weights; empty = <run dir>/weights")] = ""
     warmup_steps: Annotated[

@@ -30,12 +30,13 @@ def version_path(weights_dir: Path, version: int) -> Path:
     return weights_dir / f"v{version:06d}.safetensors"
 
 
-def write_version(model: torch.nn.Module, weights_dir: Path, version: int, keep: int) -> tuple[Path, str]:
-    """Write version `version` atomically; delete all but the newest `keep`. Returns (path, hash)."""
+def write_version(tensors: dict[str, torch.Tensor], weights_dir: Path, version: int, keep: int) -> tuple[Path, str]:
+    """Write the whole weights (`unique_state_dict`, or FSDP2's gathered `full_state_dict`) as version
+    `version`, atomically; delete all but the newest `keep`. Returns (path, hash)."""
     weights_dir.mkdir(parents=True, exist_ok=True)
     final = version_path(weights_dir, version)
     partial = final.with_suffix(".partial")
-    save_file(unique_state_dict(model), str(partial), metadata={"version": str(version)})
+    save_file(tensors, str(partial), metadata={"version": str(version)})
     digest = hashlib.blake2b(partial.read_bytes(), digest_size=16).hexdigest()
     os.replace(partial, final)
     for old in sorted(weights_dir.glob("v*.safetensors"))[:-keep]:

@@ -181,3 +181,22 @@ def test_a_group_of_one_sample_has_no_signal_under_any_estimator():
     for name, estimator in ESTIMATORS.items():
         assert estimator(torch.tensor([[5.0]])).tolist() == [[0.0]], name
     assert set(ESTIMATORS) == {"grpo", "drgrpo", "rloo"}
+
+
+def test_kl_penalty_to_reference_by_hand():
+    # two tokens, A = 0 (no policy term): p_theta = 0.5, 0.2; p_ref = 0.25, 0.2
+    # k3 = q/p - log(q/p) - 1: 0.5 - log 0.5 - 1 = 0.193147..., and 0 where they agree
+    theta, ref = logs(0.5, 0.2), logs(0.25, 0.2)
+    zero = torch.zeros(1, 2, dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.float64)
+    loss, stats = decoupled_ppo_loss(theta, theta, theta, zero, mask, clip_eps=0.2, kl_coef=0.1, ref_logp=ref)
+    expected_kl = (0.5 - math.log(0.5) - 1) / 2  # token mean over the two tokens
+    assert stats["kl_ref"] == pytest.approx(expected_kl)
+    assert loss.item() == pytest.approx(0.1 * expected_kl)
+    # its gradient pulls log pi_theta towards the reference: d/dlogp (exp(ref-logp) - (ref-logp) - 1) = 1 - q/p
+    theta = theta.clone().requires_grad_(True)
+    decoupled_ppo_loss(theta, theta.detach(), theta.detach(), zero, mask, clip_eps=0.2, kl_coef=0.1, ref_logp=ref)[0].backward()
+    assert theta.grad[0, 0].item() == pytest.approx(0.1 * (1 - 0.5) / 2)
+    assert theta.grad[0, 1].item() == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="ref_logp"):
+        decoupled_ppo_loss(theta, theta, theta, zero, mask, clip_eps=0.2, kl_coef=0.1)

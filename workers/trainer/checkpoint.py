@@ -1,4 +1,10 @@
-"""Trainer checkpoints: model, optimizer, RNG, step, counters and where to resume reading."""
+"""Trainer checkpoints: model, optimizer, RNG, counters, where to resume reading, what is done.
+
+One format for any number of ranks: the full (unsharded) model and optimizer
+state keyed by parameter name, written by rank 0, so a run may resume on a
+different number of trainer ranks. Every rank must call `save` and `load_latest`
+(with FSDP2 they gather or scatter the shards).
+"""
 
 from __future__ import annotations
 
@@ -7,12 +13,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_state_dict, set_model_state_dict, set_optimizer_state_dict,
+)
 
 
 @dataclass
 class TrainerState:
     step: int = 0  # optimizer steps done == current weight version
     resume_offsets: dict[int, int] = field(default_factory=dict)  # `scored` partition -> first offset to re-read
+    done_prompts: list[str] = field(default_factory=list)  # groups trained or dropped: never taken again
     groups_consumed: int = 0
     groups_dropped: int = 0
     trained_tokens: int = 0
@@ -21,29 +32,50 @@ class TrainerState:
     max_staleness_trained: int = 0
 
 
+def _is_writer() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def save(directory: Path, state: TrainerState, model: torch.nn.Module, optimizer: torch.optim.Optimizer, keep: int = 2) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
+    """Write `step_<N>.pt` atomically (rank 0) and keep the newest `keep`. A collective under FSDP2."""
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     final = directory / f"step_{state.step:06d}.pt"
+    if not _is_writer():
+        return final
+    directory.mkdir(parents=True, exist_ok=True)
     partial = final.with_suffix(".partial")
-    torch.save(
-        {"state": asdict(state), "model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()},
-        partial,
-    )
+    rng = {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    torch.save({"state": asdict(state), "model": model_state, "optimizer": optimizer_state, "rng": rng}, partial)
     os.replace(partial, final)
     for old in sorted(directory.glob("step_*.pt"))[:-keep]:
         old.unlink(missing_ok=True)
     return final
 
 
-def load_latest(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:
-    """Restore the newest checkpoint into model and optimizer; a fresh state if there is none."""
-    checkpoints = sorted(directory.glob("step_*.pt"))
-    if not checkpoints:
+def newest(directory: Path, before: int | None = None) -> Path | None:
+    """The newest checkpoint (of a step < `before` if given), or None."""
+    found = [p for p in sorted(directory.glob("step_*.pt")) if before is None or int(p.stem[5:]) < before]
+    return found[-1] if found else None
+
+
+def load(path: Path | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:
+    """Restore `path` into model, optimizer and the RNG; a fresh state for None. A collective under FSDP2:
+    rank 0 reads the file and the shards are sent from it; every rank gets the same RNG state."""
+    if path is None:
         return TrainerState()
-    saved = torch.load(checkpoints[-1], weights_only=False)
-    model.load_state_dict(saved["model"])
-    optimizer.load_state_dict(saved["optimizer"])
-    torch.set_rng_state(saved["rng"])
+    distributed = dist.is_initialized()
+    saved = torch.load(path, weights_only=False) if _is_writer() else {"model": {}, "optimizer": {}}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed)
+    # two calls: `set_state_dict` takes an empty model dict (the other ranks') for "optimizer only"
+    set_model_state_dict(model, saved["model"], options=options)
+    set_optimizer_state_dict(model, optimizer, saved["optimizer"], options=options)
+    if distributed:
+        box = [{key: saved[key] for key in ("state", "rng")} if _is_writer() else None]
+        dist.broadcast_object_list(box, src=0)
+        saved = box[0]
+    torch.set_rng_state(saved["rng"]["torch"])
+    if saved["rng"]["cuda"]:
+        torch.cuda.set_rng_state_all(saved["rng"]["cuda"])
     state = TrainerState(**saved["state"])
     state.resume_offsets = {int(p): o for p, o in state.resume_offsets.items()}
     return state

@@ -64,6 +64,13 @@ def behaviour_weights(
     return torch.exp(log_ratio)  # [N, T]
 
 
+def kl_to_reference(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(pi_theta || pi_ref), the non-negative, unbiased "k3" estimator on the sampled token:
+    exp(ref - logp) - (ref - logp) - 1, [N, T]; zero where the two policies agree."""
+    log_ratio = ref_logp - logp  # [N, T]
+    return torch.exp(log_ratio) - log_ratio - 1.0
+
+
 def decoupled_ppo_loss(
     logp: torch.Tensor,  # [N, T] log pi_theta, with grad
     prox_logp: torch.Tensor,  # [N, T] log pi_prox (trainer weights when the batch arrived)
@@ -79,6 +86,8 @@ def decoupled_ppo_loss(
     aggregation: str = "token_mean",
     max_new_tokens: int = 0,
     totals: tuple[float, float] | None = None,
+    kl_coef: float = 0.0,
+    ref_logp: torch.Tensor | None = None,  # [N, T] log pi_ref of a frozen reference; needed when kl_coef > 0
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """AReaL's decoupled PPO objective.
 
@@ -91,7 +100,9 @@ def decoupled_ppo_loss(
         the token / sequence is dropped from the loss (mode 'mask').
     aggregation, max_new_tokens: see `aggregate`.
     totals: (tokens, sequences) of the whole minibatch this batch is a micro-batch of;
-        default: this batch's own. The stats are divided by the same token total, so
+        default: this batch's own.
+    kl_coef: adds kl_coef * KL(pi_theta || pi_ref) per token (`kl_to_reference`), aggregated
+        like the policy term. The stats are divided by the same token total, so
         summed over micro-batches they give the minibatch's (`_max`/`_min`: max/min).
     """
     totals = totals if totals is not None else batch_totals(mask)
@@ -108,6 +119,12 @@ def decoupled_ppo_loss(
     unclipped = ratio * advantages  # [N, T]
     clipped = ratio.clamp(1.0 - clip_eps, 1.0 + (clip_eps_high or clip_eps)) * advantages  # [N, T]
     per_token = -applied * torch.minimum(unclipped, clipped)  # [N, T]
+    kl = None
+    if kl_coef > 0:
+        if ref_logp is None:
+            raise ValueError("kl_coef > 0 needs ref_logp, the reference policy's logprobs")
+        kl = kl_to_reference(logp, ref_logp)  # [N, T]
+        per_token = per_token + kl_coef * kl
     loss = aggregate(per_token, mask, aggregation, totals, max_new_tokens)
     with torch.no_grad():
         real = mask > 0  # [N, T]
@@ -119,4 +136,6 @@ def decoupled_ppo_loss(
             "behaviour_weight_min": torch.where(real, weight, torch.inf).min().item(),
             "behaviour_weight_over_cap": (over_cap & real).sum().item() / tokens,
         }
+        if kl is not None:
+            stats["kl_ref"] = (kl * mask).sum().item() / tokens
     return loss, stats

@@ -108,6 +108,7 @@ def accumulate_gradients(
     split: Allocator,
     temperature: float,
     totals: tuple[float, float] | None = None,
+    reference: torch.nn.Module | None = None,
     **loss_options,
 ) -> tuple[dict[str, float], torch.Tensor]:
     """Backward of one minibatch's loss, one packed micro-batch at a time.
@@ -115,8 +116,9 @@ def accumulate_gradients(
     Every micro-batch loss is divided by the totals of the whole minibatch, so the
     accumulated gradients (and the summed loss) are those of the minibatch in one
     piece. `totals`: those of the whole minibatch when `batch` is only one rank's
-    share of it (default: `batch`'s own). `loss_options` are the keyword arguments
-    of `decoupled_ppo_loss`.
+    share of it (default: `batch`'s own). `reference`: a frozen model whose logprobs
+    the KL penalty needs (with `kl_coef` > 0). `loss_options` are the keyword
+    arguments of `decoupled_ppo_loss`.
     Returns the stats and this pass's logprobs, [N, T-1], detached.
     """
     totals = totals if totals is not None else batch_totals(batch.loss_mask)
@@ -126,6 +128,9 @@ def accumulate_gradients(
         mb = batch.select(rows)
         logp, entropy = packed_logprobs(model, mb, temperature)  # [n, T-1] each
         mb_prox = logp.detach() if prox is None else prox[rows]  # [n, T-1]
+        if reference is not None:
+            with torch.no_grad():
+                loss_options["ref_logp"] = packed_logprobs(reference, mb, temperature)[0]  # [n, T-1]
         loss, loss_stats = decoupled_ppo_loss(
             logp, mb_prox, mb.behav_logp, mb.advantages, mb.loss_mask, totals=totals, **loss_options
         )
@@ -151,9 +156,9 @@ def train_step(
 
     Each minibatch is cut into micro-batches by `split` (see `microbatch.py`);
     `loss_options` are the keyword arguments of `decoupled_ppo_loss` (clip_eps,
-    behaviour_weight_cap, ...). The first minibatch's own forward pass runs on the
-    arrival weights, so its pi_prox is that pass detached: with one minibatch
-    pi_prox costs nothing extra.
+    behaviour_weight_cap, kl_coef, ...) and `reference` (the frozen model of the KL penalty).
+    The first minibatch's own forward pass runs on the arrival weights, so its
+    pi_prox is that pass detached: with one minibatch pi_prox costs nothing extra.
     """
     chunks = torch.arange(batch.input_ids.shape[0]).chunk(minibatches)
     prox = batch.behav_logp.clone()  # [N, T-1]; stays pi_behav for naive PPO
