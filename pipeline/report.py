@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -53,3 +54,6 @@ def write_tensorboard(lines: list[dict], directory: Path) -> None:
             for key, value in line.items():
                 if key not in ("step", "time", "source") and isinstance(value, (int, float)):
                     writer.add_scalar(f"{line['source']}/{key}", value, line["step"], walltime=line["time"])
+            if "staleness_histogram" in line:  # trajectories per staleness (versions behind the trainer)
+                lags = [lag for lag, count in enumerate(line["staleness_histogram"]) for _ in range(count)]
+                writer.add_histogram(f"{line['source']}/staleness", np.array(lags), line["step"], walltime=line["time"])
