@@ -43,7 +43,7 @@ def recorded_stream(seed: int = 0) -> tuple[list[PromptGroup], list[Scored]]:
     for index in range(STEPS * GROUPS):
         version = max(0, index // GROUPS - rng.randint(0, 2))
         prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 6))]
-        pid = f"row{index}"
+        pid = f"row{STEPS * GROUPS - index}"  # ids sort against release order: a redo must keep the row order
         releases.append(PromptGroup(prompt_id=pid, row_index=index, epoch=0, release_index=index,
                                     released_at_version=version, prompt_text="", prompt_tokens=prompt,
                                     answer="", n_samples=SAMPLES))

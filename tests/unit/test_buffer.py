@@ -66,6 +66,14 @@ def test_exact_rebuild_and_resume_positions():
     assert group.prompt_id == "y" and buffer.oldest_positions() == {0: 4}
 
 
+def test_exact_rebuild_keeps_the_manifests_group_order():
+    buffer = GroupBuffer()
+    for prompt_id, release in (("b", 0), ("a", 1), ("c", 2)):
+        fill(buffer, prompt_id, release)
+    groups = buffer.take_exact(["c/0", "c/1", "a/0", "a/1", "b/0", "b/1"])  # the step's rows, in order
+    assert [g.prompt_id for g in groups] == ["c", "a", "b"]
+
+
 def test_the_trainer_waits_for_a_group_at_its_deadline_instead_of_stepping_past_it():
     buffer = GroupBuffer()
     buffer.note_release("straggler", 0)  # released at v0: must train by v4 (eta = 4)

@@ -81,8 +81,9 @@ class GroupBuffer:
         return batch, dropped
 
     def take_exact(self, trajectory_ids: list[str]) -> list[Group] | None:
-        """The groups holding exactly these trajectories (a recorded manifest), once all are buffered."""
-        prompt_ids = sorted({tid.rsplit("/", 1)[0] for tid in trajectory_ids})
+        """The groups holding exactly these trajectories (a recorded manifest), in the manifest's
+        order (the step's row order, so it is redone bit for bit), once all are buffered."""
+        prompt_ids = list(dict.fromkeys(tid.rsplit("/", 1)[0] for tid in trajectory_ids))
         groups = [self.groups.get(pid) for pid in prompt_ids]
         if any(g is None or not g.complete for g in groups):
             return None
