@@ -55,13 +55,17 @@ class WorkerProcess:
     index: int
     config_path: Path
     log_path: Path
+    ranks: int = 1  # > 1: that many processes under torchrun (the trainer's FSDP2 ranks)
     process: subprocess.Popen | None = None
     restarts: int = 0
 
     def start(self) -> None:
+        worker = ["-m", "pipeline.cli", "worker", self.role, "--config", str(self.config_path)]
+        if self.ranks > 1:  # torchrun forwards SIGTERM to its ranks and ends them all when one fails
+            worker = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.ranks}", *worker]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "pipeline.cli", "worker", self.role, "--config", str(self.config_path)],
+                [sys.executable, *worker],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
             )
 
@@ -166,7 +170,8 @@ def run_pipeline(config: RunConfig, progress: bool = True) -> int:
         base_accuracy = evaluator.accuracy() if evaluator else None
         roles = ["trainer", "reward", "prompts"] + ["rollout"] * config.rollout.workers
         for index, role in enumerate(roles):
-            workers.append(WorkerProcess(role, index, config_path, run_dir / "logs" / f"{role}-{index}.stdout"))
+            ranks = config.trainer.ranks if role == "trainer" else 1
+            workers.append(WorkerProcess(role, index, config_path, run_dir / "logs" / f"{role}-{index}.stdout", ranks))
             workers[-1].start()
         outcome = monitor.follow(config, run_dir, workers, evaluator, base_accuracy, started, progress)
     finally:

@@ -60,7 +60,10 @@ class RewardConfig(Section):
 
 class TrainerConfig(Section):
     steps: Annotated[int, doc("optimizer steps; the run ends after the last one", ge=1)] = 600
-    threads: Annotated[int, doc("torch CPU threads of the trainer", ge=1)] = 1
+    threads: Annotated[int, doc("torch CPU threads of the trainer (of each rank)", ge=1)] = 1
+    ranks: Annotated[
+        int, doc("trainer processes on this machine, FSDP2 ranks under torchrun (gloo on CPU, NCCL on CUDA)", ge=1)
+    ] = 1
     batch_groups: Annotated[int, doc("prompt groups per step (B)", ge=1)] = 8
     max_staleness: Annotated[int, doc("eta: a group released at version v trains by version v + eta", ge=0)] = 4
     objective: Annotated[

@@ -121,8 +121,11 @@ async def test_async_pipeline_end_to_end(broker, tmp_path, unique_name):
 
 
 async def test_eta_zero_is_synchronous(broker, tmp_path, unique_name):
+    """Also the launcher's multi-rank trainer: two FSDP2 ranks under torchrun."""
     prefix = unique_name("sync") + "."
-    run_pipeline(tmp_path, broker.bootstrap, prefix, "trainer.max_staleness=0", f"trainer.steps={STEPS // 2}")
+    run_dir = run_pipeline(tmp_path, broker.bootstrap, prefix, "trainer.max_staleness=0", f"trainer.steps={STEPS // 2}",
+                           "trainer.ranks=2")
+    assert '"ranks": 2' in "".join(log.read_text() for log in (run_dir / "logs").glob("trainer-*.jsonl"))
     manifests, trained, released = await trained_view(broker.bootstrap, prefix)
     assert len(manifests) == STEPS // 2 and len(trained) == STEPS // 2 * GROUPS * SAMPLES
     for [(manifest, scored)] in trained.values():
