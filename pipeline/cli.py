@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_topics_parser(commands)
     add_replay_parser(commands)
     add_bench_parser(commands)
+    from pipeline.slurm import add_parser as add_slurm_parser  # the standard library only
+
+    add_slurm_parser(commands)
     return parser
 
 
@@ -44,6 +47,8 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     kinds = bench.add_subparsers(dest="bench", required=True)
     generate = kinds.add_parser("generate", help="engine tokens/s vs Hugging Face generate at equal concurrency")
     add_generate_arguments(generate)
+    microbatch = kinds.add_parser("microbatch", help="trainer tokens/s and peak memory: token-budget vs fixed-count micro-batches")
+    add_microbatch_arguments(microbatch)
     pipeline = kinds.add_parser("pipeline", help="training throughput: eta=0 vs eta=4, interruption on vs off")
     pipeline.add_argument("--out", default="runs/bench/pipeline.json", help="JSON results file (default: %(default)s)")
     pipeline.add_argument("--steps", type=int, default=60, help="trainer steps per run (default: %(default)s)")
@@ -54,6 +59,13 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     pipeline.add_argument("--n-samples", type=int, default=8, help="samples per group (default: %(default)s)")
     pipeline.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     pipeline.add_argument("--no-progress", action="store_true", help="no progress bars")
+    staleness = kinds.add_parser(
+        "staleness", help="held-out accuracy vs staleness bound eta, naive vs decoupled PPO (the paper's Table 2)",
+        description="Train the built-in task with eta in {0, 1, 2, 4, 8} under naive and decoupled PPO, one whole "
+                    "pipeline per run, from one warm-up model per seed. The full grid is 5 x 2 x 3 seeds = 30 runs of "
+                    "1,200 steps: about 3 h on 2 idle CPU cores, 4-6 h on busy ones. --quick: eta 0 and 4, one seed, "
+                    "600 steps, 4 runs: about 15 min idle, 21 min measured on 2 busy cores.")
+    add_staleness_arguments(staleness)
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,6 +87,38 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
 
 
+def add_staleness_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. trainer.lr=3e-4")
+    parser.add_argument("--quick", action="store_true", help="eta 0 and 4 only, seed 0, 600 steps")
+    parser.add_argument("--seeds", type=int, nargs="+", help="seeds (default: 0 1 2; --quick: 0)")
+    parser.add_argument("--steps", type=int, help="trainer steps per run (default: 1200, the demo's; --quick: 600)")
+    parser.add_argument("--eval-every", type=int, default=50,
+                        help="steps between held-out evaluations (default: %(default)s)")
+    parser.add_argument("--out", help="JSON results file, the plot next to it as .png "
+                                      "(default: runs/bench/staleness.json; --quick: runs/bench/staleness-quick.json)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def add_microbatch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="runs/bench/microbatch.json", help="JSON results file (default: %(default)s)")
+    parser.add_argument("--sequences", type=int, default=32, help="sequences per step (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per run, after one warm-up (default: %(default)s)")
+    parser.add_argument("--max-length", type=int, default=512,
+                        help="longest sequence, prompt + completion (default: %(default)s)")
+    parser.add_argument("--budget", type=int, default=1024,
+                        help="tokens per dynamic micro-batch; the fixed count is chosen to stay within it "
+                             "(default: %(default)s)")
+    parser.add_argument("--hidden-size", type=int, default=256, help="model width (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=2, help="model depth (default: %(default)s)")
+    parser.add_argument("--vocab-size", type=int, default=4096, help="(default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="alternating runs per mode, each in a fresh process; the fastest counts "
+                             "(default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="weights, lengths and tokens (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+
+
 def add_topics_parser(commands: argparse._SubParsersAction) -> None:
     topics = commands.add_parser("topics", help="list topics with offsets and counts per partition; export or import a run's topics")
     add_broker_options(topics)
@@ -89,7 +133,7 @@ def add_topics_parser(commands: argparse._SubParsersAction) -> None:
 
 def add_replay_parser(commands: argparse._SubParsersAction) -> None:
     replay = commands.add_parser("replay", help="decode and show what a run's topics recorded")
-    kinds = replay.add_subparsers(dest="what", required=True, metavar="{tail,trajectory,step}")
+    kinds = replay.add_subparsers(dest="what", required=True, metavar="{tail,trajectory,step,rescore,retrain}")
     tail = kinds.add_parser("tail", help="decode and print the messages of one topic")
     tail.add_argument("topic", help="a topic role (prompts, segments, scored, weights, batches, dead-letter) or its name")
     tail.add_argument("--id", help="only messages with this id (prompt id, trajectory id, step, version, origin) or under it")
@@ -100,7 +144,15 @@ def add_replay_parser(commands: argparse._SubParsersAction) -> None:
     trajectory.add_argument("trajectory_id", help="<prompt id>/<sample index>")
     step = kinds.add_parser("step", help="the manifest of one step: trajectories, rewards, staleness, dropped groups")
     step.add_argument("step", type=int)
-    for kind in (tail, trajectory, step):
+    rescore = kinds.add_parser("rescore", help="score the recorded trajectories again with another reward function; show what changed")
+    rescore.add_argument("--reward", required=True, help="as data.reward: 'builtin', 'math' or 'module:function'")
+    rescore.add_argument("--processes", type=int, default=None, help="scoring processes (default: the config's reward.processes, else 1)")
+    rescore.add_argument("--timeout", type=float, default=None, help="per-call time limit in s (default: the config's reward.timeout_s, else 10)")
+    rescore.add_argument("--json", action="store_true", help="one JSON object: counts, mean rewards, every difference")
+    retrain = kinds.add_parser("retrain", help="train step N again from its manifest and the checkpoint before it; "
+                               "compare with the weights the run recorded (needs --config: checkpoints, weights)")
+    retrain.add_argument("--step", type=int, required=True, help="the step to rebuild")
+    for kind in (tail, trajectory, step, rescore, retrain):
         add_broker_options(kind)
         kind.add_argument("--export", help="read an export file (asyncrl topics export) instead of a broker")
 
@@ -149,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         path, overrides = split_config_and_overrides(args.config, args.overrides)
         config = load_config(path or default_config(), overrides)
+        if args.command == "slurm":
+            from pipeline.slurm import submit
+
+            return submit(path or default_config(), overrides, config, args)
         if args.command == "prepare":
             from pipeline.launch import check_dataset, prepare
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import importlib
+import importlib.util
 import json
 import os
 import signal
@@ -111,6 +112,12 @@ def check_dataset(config: RunConfig) -> None:
         raise ConfigError(f"data.source {config.data.source} has no usable row{': ' + reasons if reasons else ''}")
 
 
+def check_wandb(config: RunConfig) -> None:
+    """Fail before anything starts when W&B is configured but wandb is not installed (it is an extra)."""
+    if config.telemetry.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("telemetry.wandb_project is set but wandb is not installed: pip install 'asyncrl[wandb]'")
+
+
 def prepare(config: RunConfig, progress: bool = True) -> tuple[RunConfig, Path]:
     """Everything workers need before they start: the model, the topics, `config.yaml`.
 
@@ -157,9 +164,12 @@ def run_pipeline(config: RunConfig, progress: bool = True) -> int:
 
     started = time.time()
     check_dataset(config)
+    check_wandb(config)
     config = new_run_dir(config)
     run_dir = runtime.run_dir(config)
     print(f"asyncrl: run directory {run_dir}", file=sys.stderr)
+    # before the broker and the model: a W&B problem (no login) shows at once; W&B gets the config as given
+    wandb_stream = monitor.WandbStream(config, run_dir) if config.telemetry.wandb_project else None
     broker, workers = None, []
     try:
         if not config.broker.bootstrap:
@@ -173,7 +183,7 @@ def run_pipeline(config: RunConfig, progress: bool = True) -> int:
             ranks = config.trainer.ranks if role == "trainer" else 1
             workers.append(WorkerProcess(role, index, config_path, run_dir / "logs" / f"{role}-{index}.stdout", ranks))
             workers[-1].start()
-        outcome = monitor.follow(config, run_dir, workers, evaluator, base_accuracy, started, progress)
+        outcome = monitor.follow(config, run_dir, workers, evaluator, base_accuracy, started, progress, wandb_stream)
     finally:
         for role in STOP_ORDER:
             for worker in workers:
@@ -182,7 +192,7 @@ def run_pipeline(config: RunConfig, progress: bool = True) -> int:
         if broker is not None:
             export_topics_quietly(config, run_dir)  # the broker keeps them in memory only
             broker.stop()
-    summary = monitor.finish(config, run_dir, evaluator, base_accuracy, outcome, started)
+    summary = monitor.finish(config, run_dir, evaluator, base_accuracy, outcome, started, wandb_stream)
     print(json.dumps(summary, indent=2))
     return 0 if outcome == "finished" else 1
 

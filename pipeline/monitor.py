@@ -3,7 +3,8 @@
 The trainer's lines in `metrics.jsonl` drive everything: the bar shows them, every
 `eval.every` steps the held-out accuracy of that version is measured and appended
 as an `eval` line, and the report (summary.json, curves.png, TensorBoard) is built
-from the file alone, so it can be rebuilt for any run directory.
+from the file alone, so it can be rebuilt for any run directory. With
+`telemetry.wandb_project` set, every line also goes to W&B as it is written.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import json
 import time
 from pathlib import Path
 
+import msgspec
 from tqdm import tqdm
 
+from pipeline.config import ConfigError
 from pipeline.evaluate import Evaluator
 from schemas.config import RunConfig
 from workers import runtime
@@ -33,8 +36,45 @@ def read_metrics(path: Path, offset: int = 0) -> tuple[list[dict], int]:
     return [json.loads(line) for line in data[:end].splitlines() if line.strip()], offset + end
 
 
+class WandbStream:
+    """metrics.jsonl into a W&B run, line by line. Each source has its own step axis (`trainer/step`,
+    `eval/step`, `rollout/<worker>/step`): a restarted trainer repeats steps and eval lines come late,
+    which W&B's single global step, increasing only, would drop."""
+
+    def __init__(self, config: RunConfig, run_dir: Path):
+        import wandb
+
+        telemetry = config.telemetry
+        try:
+            self.run = wandb.init(project=telemetry.wandb_project, entity=telemetry.wandb_entity or None,
+                                  mode=telemetry.wandb_mode or None, name=config.name, dir=run_dir,
+                                  config=msgspec.to_builtins(config))
+        except wandb.errors.Error as exc:  # e.g. online without `wandb login`: say so before any worker starts
+            raise ConfigError(f"W&B: {exc}") from None
+        self.path, self.offset, self.axes = run_dir / "metrics.jsonl", 0, set()
+
+    def sync(self) -> None:
+        """Log the lines written since the last call."""
+        lines, self.offset = read_metrics(self.path, self.offset)
+        for line in lines:
+            axis = "/".join([line["source"], line["worker"]] if "worker" in line else [line["source"]])
+            if axis not in self.axes:
+                self.run.define_metric(f"{axis}/*", step_metric=f"{axis}/step")
+                self.axes.add(axis)
+            self.run.log({f"{axis}/{key}": value for key, value in line.items()
+                          if key != "time" and isinstance(value, (int, float))})
+
+    def finish(self, summary: dict) -> None:
+        import wandb
+
+        self.sync()
+        self.run.summary.update(summary)
+        self.run.finish(exit_code=0 if summary["outcome"] == "finished" else 1)
+        wandb.teardown()  # run.finish() may return before wandb-core has written the run's log; this waits for it
+
+
 def follow(config: RunConfig, run_dir: Path, workers: list, evaluator: Evaluator | None,
-           base_accuracy: float | None, started: float, progress: bool) -> str:
+           base_accuracy: float | None, started: float, progress: bool, wandb_stream: WandbStream | None = None) -> str:
     """Until the trainer's last step: 'finished', 'interrupted' (Ctrl-C), 'timeout' or 'failed'."""
     metrics_path = run_dir / "metrics.jsonl"
     writer = runtime.MetricsWriter(metrics_path, "eval")
@@ -45,7 +85,11 @@ def follow(config: RunConfig, run_dir: Path, workers: list, evaluator: Evaluator
     offset, step = 0, 0
     try:
         while True:
+            # exit codes before the metrics: a worker that ended after the trainer's last line is read as done
+            codes = [worker.process.poll() for worker in workers]
             lines, offset = read_metrics(metrics_path, offset)
+            if wandb_stream:
+                wandb_stream.sync()
             for line in (l for l in lines if l["source"] == "trainer"):
                 bar.update(max(line["step"] - step, 0))  # a restarted trainer repeats steps after its checkpoint
                 step = line["step"]
@@ -56,12 +100,11 @@ def follow(config: RunConfig, run_dir: Path, workers: list, evaluator: Evaluator
                         writer.write(step=step, heldout_accuracy=accuracy)
                 bar.set_postfix(reward=f"{line['reward_mean']:.2f}", acc="-" if accuracy is None else f"{accuracy:.2f}",
                                 stale=f"{line['staleness_mean']:.1f}", tok_s=f"{line['tokens_per_s']:.0f}", refresh=False)
-            trainer = next(w for w in workers if w.role == "trainer")
-            if trainer.process.poll() == 0 and step >= config.trainer.steps:
+            if step >= config.trainer.steps and all(code == 0 for w, code in zip(workers, codes) if w.role == "trainer"):
                 return "finished"
-            for worker in workers:
-                code = worker.process.poll()
-                if code is not None and not (worker.role != "trainer" and code == 0 and step >= config.trainer.steps):
+            for worker, code in zip(workers, codes):
+                # other workers end with 0 only when the final weights are out (or on a stop): done, not failed
+                if code is not None and (code != 0 or worker.role == "trainer"):
                     if worker.restarts >= MAX_RESTARTS:
                         bar.write(f"asyncrl: {worker.name} failed {worker.restarts + 1} times (exit {code}); see {worker.log_path}")
                         return "failed"
@@ -80,8 +123,8 @@ def follow(config: RunConfig, run_dir: Path, workers: list, evaluator: Evaluator
 
 
 def finish(config: RunConfig, run_dir: Path, evaluator: Evaluator | None, base_accuracy: float | None,
-           outcome: str, started: float) -> dict:
-    """Final evaluation, then summary.json, curves.png and TensorBoard events."""
+           outcome: str, started: float, wandb_stream: WandbStream | None = None) -> dict:
+    """Final evaluation, then summary.json, curves.png, TensorBoard events and the W&B run's summary."""
     lines, _ = read_metrics(run_dir / "metrics.jsonl")
     steps = [l for l in lines if l["source"] == "trainer"]
     last = steps[-1] if steps else {}
@@ -108,4 +151,6 @@ def finish(config: RunConfig, run_dir: Path, evaluator: Evaluator | None, base_a
     all_lines, _ = read_metrics(run_dir / "metrics.jsonl")
     plot_curves(all_lines, run_dir / "curves.png")
     write_tensorboard(all_lines, run_dir / "tensorboard")
+    if wandb_stream:
+        wandb_stream.finish(summary)
     return summary

@@ -1,7 +1,9 @@
-"""Replay a run from its topics: tail any topic, rebuild a trajectory, explain a step.
+"""Replay a run from its topics: tail any topic, rebuild a trajectory, explain a step,
+rescore the trajectories with another reward function.
 
 Everything shown is read back from the records the workers wrote (segments,
-scored, batches), never recomputed, so replay shows what the run really did.
+scored, batches), never recomputed, so replay shows what the run really did;
+rescore alone computes something new, and sets it beside the recorded rewards.
 Records come from a live broker or from an export file (`asyncrl topics
 export`), since a run on the embedded broker loses its broker when it ends.
 """
@@ -11,6 +13,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import statistics
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -36,7 +41,9 @@ from schemas.messages import (
 from topics.clients import SCHEMA_HEADER
 from topics.export import TopicsExport
 from topics.inspect import RawRecord, TopicOffsets, read_records
-from topics.names import BATCHES, ROLES, SCORED, SEGMENTS, TopicLayout
+from topics.names import BATCHES, PROMPTS, ROLES, SCORED, SEGMENTS, TopicLayout
+from workers.reward import functions
+from workers.reward.pool import ScoringPool
 
 _SCHEMAS: dict[str, type[Message]] = {cls.__name__: cls for cls in TOPIC_MESSAGE.values()}
 _ID_FIELDS: dict[type[Message], str] = {
@@ -260,6 +267,79 @@ def render_step(replay: StepReplay) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class Rescored:
+    """One recorded trajectory scored again: the reward it was trained with beside the new one."""
+
+    scored: Scored  # as recorded on `scored`
+    reward: float  # the new reward; the failure reward when scoring failed
+    details: dict[str, str]  # the reward function's details, or the failure
+    failed: bool
+
+    @property
+    def changed(self) -> bool:
+        return not self.failed and self.reward != self.scored.reward
+
+
+async def rescore(source: RunTopics, pool: ScoringPool, failure_reward: float, concurrency: int) -> list[Rescored]:
+    """Every trajectory of `scored` (its first copy) scored again by `pool` as the reward worker scores it:
+    the group's prompt text, the decoded completion, the row's metadata plus the reference answer."""
+    recorded: dict[str, Scored] = {}
+    for message in await _messages(source, SCORED, Scored):
+        recorded.setdefault(message.trajectory_id, message)
+    if not recorded:
+        raise LookupError(f"no trajectory on {source.layout.name(SCORED)!r} to rescore")
+    groups = {group.prompt_id: group for group in await _messages(source, PROMPTS, PromptGroup)}
+    if any(s.prompt_id not in groups for s in recorded.values()):  # segment 0 of each attempt carries its group too
+        for segment in await _messages(source, SEGMENTS, Segment):
+            if segment.group is not None:
+                groups.setdefault(segment.group.prompt_id, segment.group)
+    slots = asyncio.Semaphore(concurrency)  # a call's time limit runs from its submission: never queue in the pool
+
+    async def one(scored: Scored) -> Rescored:
+        group = groups.get(scored.prompt_id)
+        if group is None:
+            return Rescored(scored, failure_reward, {"error": f"no prompt group {scored.prompt_id} on prompts or segments"}, True)
+        if scored.finish_reason == "error":  # the reward worker gives these the failure reward unscored
+            return Rescored(scored, failure_reward, {"error": f"generation failed: {scored.reward_details.get('error', '')}"}, True)
+        async with slots:
+            reward, details = await pool.score(group.prompt_text, scored.completion_text, {**group.metadata, "answer": group.answer})
+        return Rescored(scored, failure_reward if reward is None else reward, details, reward is None)
+
+    return list(await asyncio.gather(*(one(scored) for scored in recorded.values())))
+
+
+def rescore_summary(results: Sequence[Rescored], reward: str) -> dict:
+    """Counts, mean rewards before and after, and every trajectory whose reward changed or failed."""
+    return {
+        "reward": reward,
+        "trajectories": len(results),
+        "same": sum(not r.failed and not r.changed for r in results),
+        "changed": sum(r.changed for r in results),
+        "failed": sum(r.failed for r in results),
+        "mean_reward_old": statistics.fmean(r.scored.reward for r in results),
+        "mean_reward_new": statistics.fmean(r.reward for r in results),
+        "differences": [
+            {"trajectory_id": r.scored.trajectory_id, "old_reward": r.scored.reward, "new_reward": r.reward,
+             "failed": r.failed, "details": r.details}
+            for r in results if r.changed or r.failed
+        ],
+    }  # fmt: skip
+
+
+def render_rescore(summary: dict) -> str:
+    """Old -> new reward of each trajectory that differs (a failure with its first error line), then the totals."""
+    lines = [f"rescored {summary['trajectories']} trajectories with {summary['reward']}"]
+    for d in summary["differences"]:
+        line = f"  {d['trajectory_id']}  {d['old_reward']:g} -> {d['new_reward']:g}"
+        if d["failed"]:  # the error's first line; --json has all of it
+            line += "  failed: " + d["details"].get("error", "").partition("\n")[0]
+        lines.append(line)
+    lines.append(f"same {summary['same']}  changed {summary['changed']}  failed {summary['failed']}")
+    lines.append(f"mean reward {summary['mean_reward_old']:.4g} -> {summary['mean_reward_new']:.4g}")
+    return "\n".join(lines)
+
+
 def version_runs(versions: Sequence[int]) -> str:
     """[3, 3, 4] -> 'v3×2 v4×1': the versions of a completion, in token order."""
     return " ".join(f"v{version}×{len(list(run))}" for version, run in groupby(versions)) or "no tokens"
@@ -369,7 +449,7 @@ def render_topic_offsets(topics: Sequence[TopicOffsets]) -> str:
 
 
 def replay_command(args: argparse.Namespace) -> int:
-    """`replay tail|trajectory|step`: print what the run's topics recorded."""
+    """`replay tail|trajectory|step|rescore`: print what the run's topics recorded (or a new reward's verdict)."""
     source, config = _source_of(args)
     if args.what == "tail":
         chosen = asyncio.run(tail(source, args.topic, message_id=args.id, from_offset=args.from_offset, limit=args.limit))
@@ -381,9 +461,47 @@ def replay_command(args: argparse.Namespace) -> int:
             raise ConfigError("replay trajectory needs --config with model.path (its tokenizer decodes the tokens)")
         replay = asyncio.run(load_trajectory(source, args.trajectory_id))
         print(render_trajectory(replay, load_token_decoder(config.model.path)))
+    elif args.what == "rescore":
+        summary = rescore_summary(asyncio.run(rescore_run(source, config or RunConfig(), args)), args.reward)
+        print(json.dumps(summary) if args.json else render_rescore(summary))
+    elif args.what == "retrain":
+        return retrain_command(source, config, args.step)
     else:
         print(render_step(asyncio.run(load_step(source, args.step))))
     return 0
+
+
+def retrain_command(source: RunTopics, config: RunConfig | None, step: int) -> int:
+    """Exit 0 when the retrained weights equal the recorded ones (to 1e-5: several ranks reduce in another order)."""
+    from pipeline.retrain import load_record, render, retrain
+
+    if config is None:
+        raise ConfigError("replay retrain needs --config (the run's checkpoints, weights and trainer settings)")
+    manifests, scored = load_record(asyncio.run(source.read("batches")), asyncio.run(source.read("scored")))
+    result = retrain(config, step, manifests, scored)
+    print(render(result))
+    return 0 if max(result.max_abs_diff.values()) <= 1e-5 else 1
+
+
+async def rescore_run(source: RunTopics, config: RunConfig, args: argparse.Namespace) -> list[Rescored]:
+    """`--reward` checked as the run config checks `data.reward` and loaded here, so a bad one is a
+    one-line error before any scoring; the pool, time limit and failure reward are the run's."""
+    if os.getcwd() not in sys.path:  # as for the run's workers (started with `python -m`): modules beside you import
+        sys.path.insert(0, os.getcwd())
+    try:
+        msgspec.structs.replace(config, data=msgspec.structs.replace(config.data, reward=args.reward))
+        functions.load(args.reward)
+    except Exception as exc:  # the user's module: a syntax error or a failing import is as bad as a missing one
+        raise ConfigError(f"--reward: {exc if isinstance(exc, ValueError) else f'{type(exc).__name__}: {exc}'}") from None
+    processes = config.reward.processes if args.processes is None else args.processes
+    timeout_s = config.reward.timeout_s if args.timeout is None else args.timeout
+    if processes < 1 or timeout_s <= 0:
+        raise ConfigError("--processes and --timeout must be positive")
+    pool = ScoringPool(args.reward, processes, timeout_s)
+    try:
+        return await rescore(source, pool, config.reward.failure_reward, processes)
+    finally:
+        pool.close()
 
 
 def load_token_decoder(model_path: str) -> TokenDecoder:

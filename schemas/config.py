@@ -50,6 +50,10 @@ class RolloutConfig(Section):
     max_new_tokens: Annotated[int, doc("completion length limit", ge=1)] = 16
     interrupt: Annotated[bool, doc("interrupt in-flight sequences when new weights arrive")] = True
     threads: Annotated[int, doc("torch CPU threads of each rollout worker", ge=1)] = 1
+    backend: Annotated[
+        Literal["torch", "vllm"],
+        doc("inference engine: 'torch' (embedded, CPU or CUDA) or 'vllm' (CUDA, needs the vllm extra)"),
+    ] = "torch"
 
 
 class RewardConfig(Section):
@@ -128,6 +132,9 @@ class EvalConfig(Section):
     every: Annotated[int, doc("evaluate held-out greedy accuracy every N versions; 0 = only first/last", ge=0)] = 50
 
 
+WANDB_FORBIDDEN = "/\\#?%:"  # characters W&B rejects in a project name
+
+
 class TelemetryConfig(Section):
     sample_ratio: Annotated[
         float, doc("share of prompts whose whole journey is traced (decided once, at release)", ge=0, le=1)
@@ -135,6 +142,21 @@ class TelemetryConfig(Section):
     otlp_endpoint: Annotated[
         str, doc("OTLP/HTTP endpoint for spans, e.g. http://127.0.0.1:4318; empty = $OTEL_EXPORTER_OTLP_ENDPOINT, else <run dir>/traces.jsonl")
     ] = ""
+    wandb_project: Annotated[
+        str, doc("Weights & Biases project that `asyncrl run` streams metrics.jsonl to (needs the wandb extra); empty = off",
+                 max_length=128)
+    ] = ""
+    wandb_entity: Annotated[str, doc("W&B user or team that owns the project; empty = your default entity")] = ""
+    wandb_mode: Annotated[
+        Literal["", "online", "offline"],
+        doc("'online', or 'offline' (kept in <run dir>/wandb for `wandb sync`); empty = $WANDB_MODE, else online"),
+    ] = ""
+
+    def __post_init__(self) -> None:
+        if (self.wandb_entity or self.wandb_mode) and not self.wandb_project:
+            raise ValueError("telemetry.wandb_entity and telemetry.wandb_mode need telemetry.wandb_project")
+        if set(self.wandb_project) & set(WANDB_FORBIDDEN):
+            raise ValueError(f"telemetry.wandb_project {self.wandb_project!r}: W&B forbids any of {WANDB_FORBIDDEN} in a name")
 
 
 class RunConfig(Section):

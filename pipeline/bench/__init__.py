@@ -7,6 +7,9 @@ import argparse
 import importlib
 import os
 import platform
+from pathlib import Path
+
+from schemas.config import RunConfig
 
 
 def machine() -> dict:
@@ -18,6 +21,15 @@ def machine() -> dict:
             "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(), "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
             "platform": platform.platform()}
+
+
+def run_to_end(config: RunConfig, progress: bool) -> Path | None:
+    """One whole `asyncrl run` of `config`: its run directory, or None if it did not finish."""
+    from pipeline.launch import run_pipeline
+
+    if run_pipeline(config, progress=progress) != 0:
+        return None
+    return (Path(config.runs_dir) / "latest").resolve()  # new_run_dir links the run it made as `latest`
 
 
 def run(args: argparse.Namespace) -> int:

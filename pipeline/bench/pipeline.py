@@ -20,9 +20,8 @@ import argparse
 import json
 from pathlib import Path
 
-from pipeline.bench import machine
+from pipeline.bench import machine, run_to_end
 from pipeline.config import load_config
-from pipeline.launch import run_pipeline
 from pipeline.monitor import read_metrics
 
 VARIANTS = {
@@ -64,11 +63,12 @@ def run(args: argparse.Namespace) -> int:
     for name, overrides in VARIANTS.items():
         print(f"== {name}: {' '.join(overrides)}", flush=True)
         config = load_config(None, [*common, *overrides, f"name=bench-{name}"])
-        if run_pipeline(config, progress=not args.no_progress) != 0:
+        run_dir = run_to_end(config, progress=not args.no_progress)
+        if run_dir is None:
             print(f"asyncrl: the {name} run did not finish", flush=True)
             return 1
-        lines, _ = read_metrics((runs_dir / "latest" / "metrics.jsonl").resolve())
-        results[name] = {"run_dir": str((runs_dir / "latest").resolve()), **window_rates(lines, args.warmup_steps)}
+        lines, _ = read_metrics(run_dir / "metrics.jsonl")
+        results[name] = {"run_dir": str(run_dir), **window_rates(lines, args.warmup_steps)}
         results[name]["mean_completion_tokens"] = round(
             results[name]["trained_tokens"] / (args.steps * args.batch_groups * args.n_samples), 1)
     report = {

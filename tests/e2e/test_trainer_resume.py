@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -121,15 +122,21 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-async def test_killed_and_restarted_trainer_equals_straight_run(broker, tmp_path, model_dir, unique_name):
-    releases, scored = recorded_stream()
-    straight, killed = unique_name("straight"), unique_name("killed")
-    for name in (straight, killed):
-        await record(broker.bootstrap, name + ".", releases, scored)
-    runs = tmp_path / "runs"
+@pytest.fixture(scope="module")
+def straight_run(broker, tmp_path_factory, model_dir) -> tuple[str, Path]:
+    """A trainer that ran the recorded stream straight through: (its name, its config)."""
+    tmp_path, name = tmp_path_factory.mktemp("straight"), f"straight-{uuid.uuid4().hex[:8]}"
+    asyncio.run(record(broker.bootstrap, name + ".", *recorded_stream()))
+    config = write_config(tmp_path, model_dir, broker.bootstrap, name)
+    run_to_end(trainer_command(config), tmp_path / "straight.log")
+    return name, config
 
-    await asyncio.to_thread(run_to_end, trainer_command(write_config(tmp_path, model_dir, broker.bootstrap, straight)),
-                            tmp_path / "straight.log")
+
+async def test_killed_and_restarted_trainer_equals_straight_run(broker, tmp_path, model_dir, unique_name, straight_run):
+    releases, scored = recorded_stream()
+    straight, killed = straight_run[0], unique_name("killed")
+    await record(broker.bootstrap, killed + ".", releases, scored)
+    runs = tmp_path / "runs"
 
     config = write_config(tmp_path, model_dir, broker.bootstrap, killed)
     with (tmp_path / "killed-1.log").open("w") as out:
@@ -159,7 +166,7 @@ async def test_killed_and_restarted_trainer_equals_straight_run(broker, tmp_path
               for line in log.read_text().splitlines() if '"trainer started"' in line]
     assert sorted((s["step"], s["redo"]) for s in starts)[1][0] == 2 * CHECKPOINT_EVERY
     assert 2 * CHECKPOINT_EVERY + 1 in max(s["redo"] for s in starts)
-    expected, got = final_weights(runs / straight), final_weights(runs / killed)
+    expected, got = final_weights(straight_run[1].parent / "runs" / straight), final_weights(runs / killed)
     assert expected.keys() == got.keys()
     for key in expected:
         assert torch.equal(expected[key], got[key]), f"{key} differs after kill -9 at step {killed_at} and restart"
@@ -200,3 +207,16 @@ async def test_two_fsdp2_ranks_train_the_stream_like_one_process(broker, tmp_pat
     assert expected.keys() == got.keys()
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-5, msg=f"{key} after a stop at step {stopped_at}")
+
+
+def test_replay_retrain_rebuilds_a_step_bit_for_bit(straight_run, capsys):
+    """Step 11 from the checkpoint of step 9 (steps 10 and 11 rebuilt from their manifests) equals
+    the published v11; step 3's weights were deleted (keep_versions) and no checkpoint holds them."""
+    from pipeline.cli import main
+
+    config = str(straight_run[1])
+    assert main(["replay", "retrain", "--step", "11", "--config", config]) == 0
+    shown = capsys.readouterr().out
+    assert "steps 10..11 retrained from checkpoint of step 9" in shown and "bitwise equal" in shown, shown
+    assert main(["replay", "retrain", "--step", "3", "--config", config]) == 1
+    assert "version 3 is no longer on disk" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import msgspec
@@ -83,6 +84,7 @@ def run_config(broker: EmbeddedBroker, run_topics: TopicLayout, tmp_path: Path) 
     config = {
         "broker": {"bootstrap": broker.bootstrap, "topic_prefix": run_topics.prefix},
         "model": {"path": str(tmp_path / "model")},
+        "reward": {"failure_reward": -1.0},  # what rescore gives a failed call
     }
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -156,6 +158,65 @@ def test_replay_reads_an_export_file(run_config: Path, tmp_path: Path, capsys: p
     assert main(["topics", "export", "--config", str(run_config), "--out", str(path)]) == 0
     assert main(["replay", "step", "2", "--export", str(path)]) == 0
     assert "p/0/0  scored 0:0  reward 1" in capsys.readouterr().out
+    assert main(["replay", "rescore", "--reward", "builtin", "--json", "--export", str(path)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["same"], summary["changed"], summary["failed"]) == (1, 1, 0)  # "3" is right: p/0/1 0 -> 1
+
+
+@pytest.fixture
+async def rescore_config(broker: EmbeddedBroker, run_config: Path, run_topics: TopicLayout) -> Path:
+    """The recorded run plus: p/0/0 delivered twice, a completion the plugin fails on, a failed
+    generation, and p/1/0 whose group (answer "5") is only on `segments`."""
+    on_segments_only = msgspec.structs.replace(group("p/1"), answer="5")
+    await produce(broker.bootstrap, run_topics, SEGMENTS, [
+        ("p/1/0", msgspec.structs.replace(segment("rollout-a:2", 0, 4, [EOS], "stop"), trajectory_id="p/1/0", group=on_segments_only)),
+    ])  # fmt: skip
+    await produce(broker.bootstrap, run_topics, SCORED, [
+        ("p/0", scored("p/0/0", [3, 4], 1.0)),
+        ("p/0", msgspec.structs.replace(scored("p/0/2", [4], 0.5), completion_text="raise")),
+        ("p/0", msgspec.structs.replace(scored("p/0/3", [4], 0.0), finish_reason="error", reward_details={"error": "engine died"})),
+        ("p/1", msgspec.structs.replace(scored("p/1/0", [4], 0.0), prompt_id="p/1", completion_text="5")),
+    ])  # fmt: skip
+    return run_config
+
+
+def test_rescore_shows_each_changed_reward_the_counts_and_the_means(
+    rescore_config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["replay", "rescore", "--reward", "reward_plugins:judge", "--config", str(rescore_config)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "rescored 5 trajectories with reward_plugins:judge"  # p/0/0 once
+    assert out[1:5] == [
+        "  p/0/1  0 -> 1",
+        "  p/0/2  0.5 -> -1  failed: RuntimeError: the user's verifier broke",
+        "  p/0/3  0 -> -1  failed: generation failed: engine died",
+        "  p/1/0  0 -> 1",  # the answer came from segment 0
+    ]
+    assert out[5:] == ["same 1  changed 2  failed 2", "mean reward 0.3 -> 0.2"]
+
+    assert main(["replay", "rescore", "--reward", "reward_plugins:judge", "--json", "--config", str(rescore_config)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["trajectories"], summary["same"], summary["changed"], summary["failed"]) == (5, 1, 2, 2)
+    assert (summary["mean_reward_old"], summary["mean_reward_new"]) == pytest.approx((0.3, 0.2))
+    changed = {d["trajectory_id"]: d for d in summary["differences"]}
+    assert changed["p/1/0"]["details"] == {"prompt_seen": "1+2="}
+    assert "Traceback" in changed["p/0/2"]["details"]["error"]  # --json keeps the whole error
+
+
+def test_rescore_with_a_bad_reward_is_one_clear_line(
+    run_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(sys, "path", list(sys.path))  # rescore puts the working directory on it
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "broken_reward.py").write_text("def judge(:\n")  # beside the user, as for the run's workers
+    for reward, error in [
+        ("no_such_module:fn", "--reward: reward function 'no_such_module:fn' cannot be loaded: No module named 'no_such_module'"),
+        ("reward_plugins", "--reward: data.reward 'reward_plugins': use 'builtin', 'math' or 'module:function'"),
+        ("broken_reward:judge", "--reward: SyntaxError: "),
+    ]:
+        assert main(["replay", "rescore", "--reward", reward, "--config", str(run_config)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"asyncrl: {error}") and err.count("\n") == 1 and "Traceback" not in err
 
 
 def test_version_runs() -> None:

@@ -16,4 +16,6 @@ def test_bench_generate_writes_its_headline_and_settings(tmp_path, capsys):
     for scenario in result["scenarios"].values():
         # both systems produced exactly the useful tokens the lengths asked for
         assert scenario["lengths"]["total"] > 0 and scenario["engine"]["tokens_per_s"] > 0
+        assert scenario["speedup_vs_hf_cpu"] > 0 and scenario["hf"]["cpu_seconds_min"] > 0
+        assert scenario["engine"]["forward"] == "DirectForward"  # the demo model is a Qwen2
     assert "speedup" in capsys.readouterr().out

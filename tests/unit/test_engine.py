@@ -1,10 +1,15 @@
-"""The embedded engine against Hugging Face reference computations on a tiny random Qwen2."""
+"""The embedded engine against Hugging Face reference computations on tiny random models.
+
+Engine-level tests run with both forwards (the direct Llama-family one and the HF
+fallback over the slot cache): they must give the same results.
+"""
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import (GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from workers.rollout.engine import Engine, SamplingParams
+from workers.rollout.engine import DirectForward, Engine, HFForward, SamplingParams
 
 torch.set_num_threads(1)
 
@@ -24,6 +29,11 @@ def model() -> Qwen2ForCausalLM:
     return tiny_model(0)
 
 
+@pytest.fixture(params=["direct", "hf"])
+def forward(request) -> str:
+    return request.param
+
+
 def perturbed(model: Qwen2ForCausalLM) -> dict[str, torch.Tensor]:
     """New weights far enough from the old ones to change greedy choices."""
     g = torch.Generator().manual_seed(1)
@@ -38,8 +48,8 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def test_greedy_matches_hf_generate(model):
-    seqs = Engine(model).generate(PROMPTS, GREEDY)
+def test_greedy_matches_hf_generate(model, forward):
+    seqs = Engine(model, forward=forward).generate(PROMPTS, GREEDY)
     for prompt, seq in zip(PROMPTS, seqs):
         assert seq.token_ids == hf_greedy(model, prompt, GREEDY.max_new_tokens)
         assert seq.finish_reason == "length" and seq.versions == [0] * GREEDY.max_new_tokens
@@ -54,9 +64,9 @@ def full_forward_logits(model, seq) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("top_p,top_k", [(1.0, 0), (0.7, 0), (1.0, 3), (0.8, 4)])
-def test_behaviour_logprobs_match_full_forward(model, top_p, top_k):
+def test_behaviour_logprobs_match_full_forward(model, forward, top_p, top_k):
     params = SamplingParams(temperature=1.0, top_p=top_p, max_new_tokens=10, top_k=top_k)
-    seqs = Engine(model, seed=0).generate(PROMPTS, params)
+    seqs = Engine(model, seed=0, forward=forward).generate(PROMPTS, params)
     for seq in seqs:
         logp = torch.log_softmax(full_forward_logits(model, seq), -1)  # [new, V], unfiltered
         want = logp.gather(-1, torch.tensor(seq.token_ids)[:, None]).squeeze(-1)  # [new]
@@ -97,43 +107,105 @@ def test_seed_reproducible(model):
     assert [s.token_ids for s in a] == [s.token_ids for s in b]
 
 
-def test_interruption_continues_like_fresh_engine_with_new_weights(model):
-    engine = Engine(model, version=0)
+def test_interruption_continues_like_fresh_engine_with_new_weights(model, forward):
+    engine = Engine(model, version=0, forward=forward)
     seqs = [engine.submit(f"s{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
     for _ in range(5):
         engine.step()
     new_weights = perturbed(model)
     engine.update_weights(new_weights, version=1)
+    late = engine.submit("late", [2], GREEDY)  # prefilled in the same forward as the recomputed ones
     while not engine.idle():
         engine.step()
 
-    fresh = Engine(tiny_model(0), version=1)
+    fresh = Engine(tiny_model(0), version=1, forward=forward)
     fresh.model.load_state_dict(new_weights)
     for seq in seqs:
         ref = fresh.generate([seq.prompt_ids + seq.token_ids[:5]], SamplingParams(temperature=0.0, max_new_tokens=7))[0]
         assert seq.token_ids[5:] == ref.token_ids
         assert seq.versions == [0] * 5 + [1] * 7
+    assert late.token_ids == fresh.generate([late.prompt_ids], GREEDY)[0].token_ids and set(late.versions) == {1}
     old = Engine(tiny_model(0)).generate(PROMPTS, GREEDY)
     assert any(s.token_ids != o.token_ids for s, o in zip(seqs, old))  # the update did change the policy
 
 
-def test_admission_mid_flight_does_not_change_others(model):
-    alone = Engine(model).generate(PROMPTS[:2], GREEDY)
-    engine = Engine(model)
+def test_admission_mid_flight_does_not_change_others(model, forward):
+    alone = Engine(model, forward=forward).generate(PROMPTS[:2], GREEDY)
+    engine = Engine(model, forward=forward)
     first = [engine.submit(f"a{i}", p, GREEDY) for i, p in enumerate(PROMPTS[:2])]
     engine.step()
     engine.step()
-    later = [engine.submit(f"b{i}", p, SamplingParams(temperature=0.0, max_new_tokens=20))
+    capacity = engine.kv.shape[-2]
+    # long enough to make the slot cache grow while the first two are mid-flight
+    later = [engine.submit(f"b{i}", p, SamplingParams(temperature=0.0, max_new_tokens=70))
              for i, p in enumerate(PROMPTS[2:])]
     while not engine.idle():
         engine.step()
+    assert engine.kv.shape[-2] > capacity
     assert [s.token_ids for s in first] == [s.token_ids for s in alone]
     for seq in later:
-        assert seq.token_ids == hf_greedy(model, seq.prompt_ids, 20)
+        assert seq.token_ids == hf_greedy(model, seq.prompt_ids, 70)
 
 
-def test_finish_reasons_and_max_batch(model):
-    engine = Engine(model, max_batch=2)
+def test_slots_are_reused_and_the_cache_allocated_once(model, forward):
+    engine = Engine(model, max_batch=2, forward=forward)
+    lengths = [3, 9, 1, 5, 2, 7, 4, 6]
+    seqs = [engine.submit(f"s{i}", PROMPTS[i % 4], SamplingParams(temperature=0.0, max_new_tokens=n))
+            for i, n in enumerate(lengths)]
+    storage, slot_steps = None, 0
+    while not engine.idle():
+        finished = engine.step()
+        used = len(engine.slots) + len(finished)  # slots that decoded in this step
+        slot_steps += used
+        storage = storage or engine.kv.data_ptr()
+        assert engine.kv.data_ptr() == storage and engine.kv.shape[2] == 2  # allocated once, two slots
+        assert used <= 2 and all(s.finish_reason for s in finished)
+        if engine.waiting:  # a finished sequence's slot is refilled at the very next step
+            assert used == 2
+    assert slot_steps == sum(lengths)  # every slot-step produced a token: no slot idled, none held a finished sequence
+    for seq, n in zip(seqs, lengths):
+        assert seq.token_ids == hf_greedy(model, seq.prompt_ids, n)
+
+
+ARCHITECTURES = {  # tiny configs of other families: two with the direct forward, two through the HF fallback
+    "llama": (LlamaConfig, LlamaForCausalLM, {}, DirectForward),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16}, DirectForward),
+    "gemma": (GemmaConfig, GemmaForCausalLM, {"head_dim": 16}, HFForward),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}, HFForward),
+}
+
+
+@pytest.mark.parametrize("family", ARCHITECTURES)
+def test_other_architectures_match_hf_generate(family):
+    config_cls, model_cls, extra, forward_cls = ARCHITECTURES[family]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(vocab_size=16, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
+                                 **extra)).eval()
+    engine = Engine(model)
+    assert isinstance(engine.forward, forward_cls)
+    for prompt, seq in zip(PROMPTS, engine.generate(PROMPTS, GREEDY)):
+        assert seq.token_ids == hf_greedy(model, prompt, GREEDY.max_new_tokens)
+
+
+def test_hf_fallback_without_rotary_or_grouped_heads():
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                       bos_token_id=0, eos_token_id=0)).eval()
+    for prompt, seq in zip(PROMPTS, Engine(model).generate(PROMPTS, GREEDY)):
+        assert seq.token_ids == hf_greedy(model, prompt, GREEDY.max_new_tokens)
+
+
+def test_sliding_window_models_are_refused():
+    model = MistralForCausalLM(MistralConfig(vocab_size=16, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                             num_key_value_heads=2, intermediate_size=128,
+                                             max_position_embeddings=128, sliding_window=32))
+    with pytest.raises(NotImplementedError, match="sliding"):
+        Engine(model)
+
+
+def test_finish_reasons_and_max_batch(model, forward):
+    engine = Engine(model, max_batch=2, forward=forward)
     free = Engine(model).generate([PROMPTS[1]], GREEDY)[0].token_ids
     stop_at = free[3]
     first_stop = free.index(stop_at)
@@ -145,7 +217,7 @@ def test_finish_reasons_and_max_batch(model):
     done = []
     while not engine.idle():
         done += engine.step()
-        assert len(engine.rows) <= 2
+        assert len(engine.slots) <= 2
     assert sorted(s.key for s in done) == sorted(s.key for s in [stopped, short, *queued])
     assert stopped.finish_reason == "stop" and stopped.token_ids == free[:first_stop + 1]
     assert short.finish_reason == "length" and len(short.token_ids) == 2

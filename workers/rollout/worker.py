@@ -6,6 +6,7 @@ every in-flight sequence generated since its last segment (finish reason
 KV cache of every unfinished prefix. With `rollout.interrupt=false` it instead
 stops admitting, lets in-flight sequences finish on the old weights, then loads.
 A prompt's offset is committed only once all of its trajectories are emitted.
+`rollout.backend` picks the engine: the embedded torch one, or vLLM (same interface).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from topics.dead_letter import decode_or_dead_letter
 from topics.tracing import context_of, trace_headers
 from workers import runtime
 from workers.rollout.engine import Engine, SamplingParams, Sequence
-from workers.weights import read_version
 
 
 @dataclass
@@ -47,13 +47,22 @@ class InFlight:
     last_sent_ns: dict[str, int] = field(default_factory=dict)  # trajectory id -> when its last segment left
 
 
+def make_engine(config: RunConfig):
+    """The configured backend at version 0: an Engine, or a VLLMEngine (same interface)."""
+    if config.rollout.backend == "vllm":
+        from workers.rollout.vllm_engine import VLLMEngine  # vLLM itself is imported only here
+
+        return VLLMEngine(config.model.path, max_batch=config.rollout.max_batch, version=0, seed=config.seed)
+    model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32)
+    return Engine(model.to(torch.device(config.model.device)), max_batch=config.rollout.max_batch, version=0,
+                  seed=config.seed)
+
+
 class Rollout:
     def __init__(self, config: RunConfig, me: str, producer, topic: str):
         self.me, self.producer, self.topic = me, producer, topic
-        device = torch.device(config.model.device)
-        model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32).to(device).eval()
         eos = AutoTokenizer.from_pretrained(config.model.path).eos_token_id
-        self.engine = Engine(model, max_batch=config.rollout.max_batch, version=0, seed=config.seed)
+        self.engine = make_engine(config)
         cfg = config.rollout
         self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                      max_new_tokens=cfg.max_new_tokens, stop_token_ids=(eos,) if eos is not None else ())
@@ -116,12 +125,12 @@ class Rollout:
 
     async def update_weights(self, announced: WeightVersion) -> None:
         """Interrupt: emit partial segments, load the version, recompute caches (in the engine)."""
-        state_dict = await asyncio.to_thread(read_version, announced.uri)
+        weights = await asyncio.to_thread(self.engine.fetch_weights, announced.uri)
         for seq in self.engine.running():
             if len(seq.token_ids) > self.groups[seq.key.rsplit("/", 1)[0]].tokens_sent.get(seq.key, 0):
                 await self.emit(seq, "interrupted")
                 self.interrupted += 1
-        self.engine.update_weights(state_dict, announced.version)
+        self.engine.update_weights(weights, announced.version)
 
     async def step(self) -> list[InFlight]:
         """One decode step; returns groups whose trajectories are now all emitted."""

@@ -1,0 +1,114 @@
+"""`asyncrl replay retrain --step N`: train step N again from the record, compare with its weights.
+
+The record of step N is its manifest on `batches` (exactly which trajectories,
+at which `scored` offsets) and the newest checkpoint before it (or the initial
+weights at model.path). Steps between that checkpoint and N are rebuilt from
+their manifests too. The result is compared with what the run kept of version N:
+its weights file, else a checkpoint at step N. On CPU in one process it is equal
+bit for bit; a run trained on several ranks reduces in another order (~1e-6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from schemas.config import RunConfig
+from schemas.messages import BatchManifest, DecodeError, Scored, decode
+from topics.inspect import RawRecord
+from workers import runtime
+from workers.trainer import checkpoint
+from workers.trainer.buffer import GroupBuffer
+from workers.trainer.worker import Trainer, checkpoints_dir
+from workers.weights import read_version, version_path
+
+
+class RetrainError(LookupError):
+    """The record lacks what retraining the step needs."""
+
+
+@dataclass
+class Retrained:
+    step: int
+    from_step: int  # the checkpoint's step; 0 = the initial weights
+    trajectories: int  # in step N
+    stats: dict[str, float]  # step N's training stats
+    compared_with: str  # the file of version N it was compared with
+    max_abs_diff: dict[str, float]  # per tensor
+
+    @property
+    def bitwise_equal(self) -> bool:
+        return all(diff == 0.0 for diff in self.max_abs_diff.values())
+
+
+def groups_of(manifest: BatchManifest, scored: dict[tuple[int, int], Scored]) -> list:
+    """The groups of a recorded step, rows in the manifest's order."""
+    buffer = GroupBuffer()
+    for where in manifest.scored_offsets:
+        if tuple(where) not in scored:
+            raise RetrainError(f"step {manifest.step}: `scored` has no record at partition/offset {tuple(where)}")
+        buffer.add(scored[tuple(where)], tuple(where))
+    groups = buffer.take_exact(manifest.trajectory_ids)
+    if groups is None:
+        raise RetrainError(f"step {manifest.step}: its trajectories do not make whole groups in `scored`")
+    return groups
+
+
+def recorded_weights(config: RunConfig, step: int) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Version `step` as the run kept it: the published weights, else a checkpoint of that step."""
+    path = version_path(runtime.weights_dir(config), step)
+    if path.exists():
+        return path, read_version(path)
+    saved = checkpoints_dir(config) / f"step_{step:06d}.pt"
+    if saved.exists():
+        return saved, torch.load(saved, weights_only=False)["model"]
+    raise RetrainError(f"version {step} is no longer on disk (neither {path} nor {saved}): "
+                       "raise trainer.keep_versions or trainer.keep_checkpoints to keep more")
+
+
+def retrain(config: RunConfig, step: int, manifests: list[BatchManifest], scored: dict[tuple[int, int], Scored]) -> Retrained:
+    by_step = {m.step: m for m in manifests}
+    if step not in by_step:
+        raise RetrainError(f"no manifest of step {step} on `batches` (steps {min(by_step, default=0)}..{max(by_step, default=0)})")
+    start = checkpoint.newest(checkpoints_dir(config), before=step)
+    compared_with, expected = recorded_weights(config, step)
+    torch.set_num_threads(config.trainer.threads)  # as the trainer: the thread count changes the sums' order
+    trainer = Trainer(config, start)
+    first = trainer.state.step + 1
+    missing = [s for s in range(first, step + 1) if s not in by_step]
+    if missing:
+        raise RetrainError(f"steps {missing} have no manifest: cannot rebuild from step {first - 1}")
+    for s in range(first, step + 1):
+        stats = trainer.train(groups_of(by_step[s], scored))
+    weights = trainer.gather_weights()
+    diffs = {name: (weights[name] - tensor).abs().max().item() for name, tensor in expected.items() if name in weights}
+    return Retrained(step, first - 1, len(by_step[step].trajectory_ids), stats, str(compared_with), diffs)
+
+
+def render(result: Retrained) -> str:
+    worst = max(result.max_abs_diff.items(), key=lambda item: item[1])
+    verdict = "bitwise equal" if result.bitwise_equal else f"max |difference| {worst[1]:.3g} (in {worst[0]})"
+    rebuilt = f"steps {result.from_step + 1}..{result.step}" if result.from_step + 1 < result.step else f"step {result.step}"
+    start = f"checkpoint of step {result.from_step}" if result.from_step else "the initial weights"
+    return "\n".join([
+        f"step {result.step}: {result.trajectories} trajectories; {rebuilt} retrained from {start}",
+        f"loss {result.stats['loss']:.6g}  reward mean {result.stats['reward_mean']:.4g}  "
+        f"grad norm {result.stats['grad_norm']:.6g}",
+        f"weights vs {result.compared_with}: {verdict} over {len(result.max_abs_diff)} tensors",
+    ])
+
+
+def load_record(batches: list[RawRecord], scored: list[RawRecord]) -> tuple[list[BatchManifest], dict[tuple[int, int], Scored]]:
+    """Manifests and scored trajectories from raw records (of a broker or an export); records that
+    do not decode were dead-lettered by the trainer and never trained, so they are left out."""
+    def decoded(records: list[RawRecord], cls):
+        for record in records:
+            try:
+                yield record, decode(record.value or b"", cls)
+            except DecodeError:
+                continue
+
+    manifests = [message for _, message in decoded(batches, BatchManifest)]
+    return manifests, {(r.partition, r.offset): message for r, message in decoded(scored, Scored)}

@@ -1,0 +1,213 @@
+"""vLLM behind the embedded engine's interface, for rollout workers on CUDA machines.
+
+Selected with `rollout.backend: vllm` (the `vllm` extra). vLLM's AsyncLLM runs in the
+rollout worker's process, on a private event loop in a daemon thread, so the worker
+drives it exactly like `Engine`: submit / step / running / idle / update_weights.
+
+    submit  -> one vLLM request per sequence (prompt token ids, DELTA outputs, logprob of
+               the sampled token), consumed by a task that queues each output
+    step    -> waits briefly for outputs, applies them to the Sequences (only here, on the
+               caller's thread) and returns the finished ones
+    update  -> abort every request, load the new version in each vLLM worker from the
+               safetensors file the trainer announced (`WeightLoader`, a worker
+               extension), drop the prefix cache, resubmit prompt + tokens so far
+
+Outputs that arrive between the worker's last step and the abort were never seen by
+the worker, so they are dropped and regenerated under the new weights: every token a
+Sequence holds was produced by the version recorded next to it.
+
+Behaviour logprobs use vLLM's `processed_logprobs` mode: log_softmax of the logits the
+sampler used, after temperature. Without top-k/top-p that is the torch engine's
+convention; with them vLLM reports the truncated, renormalised distribution, where the
+torch engine reports the tempered one before truncation. vLLM also stops at the
+model's EOS on its own; `ignore_eos` leaves stopping to the request's stop tokens, as
+in the torch engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+from workers.rollout.engine import SamplingParams, Sequence, check_request
+
+POLL_S = 0.05  # how long step() waits for vLLM's next output before handing control back
+INSTALL_HINT = ("rollout.backend 'vllm' needs vLLM, which is not installed here: "
+                "`pip install 'asyncrl[vllm]'` on a CUDA machine, or use rollout.backend 'torch'")
+
+
+def import_vllm():
+    """vLLM, imported only when the backend is chosen; a clear error where it is missing."""
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ImportError(INSTALL_HINT) from exc
+    return vllm
+
+
+class WeightLoader:
+    """vLLM worker extension (`worker_extension_cls`): load one weight version in place.
+
+    vLLM mixes this class into each of its GPU workers; `collective_rpc` calls the method
+    on all of them, and the model's own `load_weights` shards the tensors as it loads.
+    """
+
+    def load_safetensors(self, path: str) -> int:
+        from safetensors.torch import load_file
+
+        weights = load_file(path)  # tied tensors are stored once; load_weights restores the ties
+        self.model_runner.model.load_weights(weights=weights.items())
+        return len(weights)
+
+
+@dataclass
+class Request:
+    """The vLLM request currently generating `seq`; a resubmission replaces it."""
+
+    seq: Sequence
+    request_id: str
+    version: int  # the weights it runs under
+    task: Future  # the coroutine consuming its outputs, on the engine's loop
+
+
+class VLLMEngine:
+    """The `Engine` interface over vLLM's AsyncLLM. Call it from one thread at a time."""
+
+    def __init__(self, model_path: str, *, max_batch: int = 64, version: int = 0, seed: int | None = None,
+                 dtype: str = "auto", max_model_len: int | None = None):
+        self.vllm = import_vllm()
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.async_llm, self.delta = AsyncLLM, RequestOutputKind.DELTA
+        self.version = version
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="vllm-engine", daemon=True)
+        self.thread.start()
+        args = self.vllm.AsyncEngineArgs(
+            model=model_path, max_num_seqs=max_batch, seed=seed, dtype=dtype, max_model_len=max_model_len,
+            skip_tokenizer_init=True, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{__name__}.{WeightLoader.__name__}",
+        )
+        self.llm = self._run(self._create(args))
+        self.max_len = max_model_len or self.llm.model_config.max_model_len
+        self.requests: dict[str, Request] = {}  # request id -> request, for every unfinished sequence
+        self.outputs: queue.SimpleQueue = queue.SimpleQueue()  # (request id, CompletionOutput | Exception)
+        self.counter = itertools.count()
+
+    # ---- the Engine interface ----
+
+    def submit(self, key: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        """Start generating; the tokens show up in the Sequence through step()."""
+        check_request(prompt_ids, params, self.max_len)
+        if any(r.seq.key == key for r in self.requests.values()):
+            raise ValueError(f"sequence {key!r} is already in the engine")
+        seq = Sequence(key, list(prompt_ids), params)
+        self._start(seq)
+        return seq
+
+    def running(self) -> list[Sequence]:
+        return [r.seq for r in self.requests.values()]
+
+    def idle(self) -> bool:
+        return not self.requests
+
+    def step(self) -> list[Sequence]:
+        """Apply every output vLLM produced since the last call (waiting up to POLL_S for one).
+
+        Returns the sequences that finished; they have left the engine.
+        """
+        try:
+            arrived = [self.outputs.get(timeout=POLL_S)]
+        except queue.Empty:
+            return []
+        while not self.outputs.empty():
+            arrived.append(self.outputs.get_nowait())
+        finished = []
+        for request_id, out in arrived:
+            request = self.requests.get(request_id)
+            if request is None:  # a request aborted by a weight update: its late outputs are void
+                continue
+            if isinstance(out, Exception):
+                raise out
+            seq = request.seq
+            seq.token_ids += out.token_ids
+            seq.logprobs += [alternatives[tok].logprob for tok, alternatives in zip(out.token_ids, out.logprobs)]
+            seq.versions += [request.version] * len(out.token_ids)
+            if out.finish_reason is not None:
+                if out.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM ended {seq.key!r} with {out.finish_reason!r}")
+                seq.finish_reason = out.finish_reason
+                del self.requests[request_id]
+                finished.append(seq)
+        return finished
+
+    @staticmethod
+    def fetch_weights(uri: str) -> str:
+        """What update_weights needs of a version: its path (vLLM's workers read the file themselves)."""
+        if not Path(uri).is_file():
+            raise FileNotFoundError(uri)
+        return uri
+
+    def update_weights(self, path: str, version: int) -> None:
+        """Abort everything, load `path` in place, resubmit each sequence's prompt plus its tokens so far."""
+        live = list(self.requests.values())
+        self.requests.clear()
+        self._run(self.llm.abort([r.request_id for r in live]))
+        for request in live:
+            request.task.cancel()  # its generator is done after the abort; late outputs are void anyway
+        try:
+            self._run(self.llm.collective_rpc("load_safetensors", args=(str(path),)))
+            self._run(self.llm.reset_prefix_cache())  # cached blocks hold keys/values of the old weights
+            self.version = version
+        finally:  # a failed load (the file went between fetch and load) leaves the old weights running
+            for request in live:
+                self._start(request.seq)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
+        """Run a whole batch to completion (evaluation); results in prompt order."""
+        if not self.idle():
+            raise RuntimeError("generate() needs an idle engine")
+        seqs = [self.submit(f"generate/{i}", p, params) for i, p in enumerate(prompts)]
+        while not self.idle():
+            self.step()
+        return seqs
+
+    def close(self) -> None:
+        self.llm.shutdown()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join()
+
+    # ---- vLLM side ----
+
+    def _run(self, coro):
+        """Run a coroutine on the engine's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    async def _create(self, args):
+        return self.async_llm.from_engine_args(args)  # inside the loop, so its output handler starts there
+
+    def _start(self, seq: Sequence) -> None:
+        """Submit `seq` (prompt + tokens so far) for the rest of its token budget."""
+        request_id = f"{seq.key}#{next(self.counter)}"
+        params = self.vllm.SamplingParams(
+            temperature=seq.params.temperature, top_p=seq.params.top_p, top_k=seq.params.top_k,
+            max_tokens=seq.params.max_new_tokens - len(seq.token_ids), stop_token_ids=list(seq.params.stop_token_ids),
+            ignore_eos=True, logprobs=0, detokenize=False, output_kind=self.delta,
+        )
+        prompt = self.vllm.TokensPrompt(prompt_token_ids=seq.prompt_ids + seq.token_ids)
+        task = asyncio.run_coroutine_threadsafe(self._consume(request_id, prompt, params), self.loop)
+        self.requests[request_id] = Request(seq, request_id, self.version, task)
+
+    async def _consume(self, request_id: str, prompt, params) -> None:
+        """Queue the request's outputs for step(); an error surfaces there, on the caller's thread."""
+        try:
+            async for out in self.llm.generate(prompt, params, request_id):
+                self.outputs.put((request_id, out.outputs[0]))
+        except Exception as exc:  # noqa: BLE001 - handed over, not swallowed
+            self.outputs.put((request_id, exc))
