@@ -1,6 +1,9 @@
-"""Scoring in real processes: the reward contract, failures recorded, a hang killed and the rest rescored."""
+"""Scoring in real processes: the reward contract, failures recorded, a hang killed, the rest untouched,
+signals to the whole process group ignored by the scorers."""
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -35,8 +38,8 @@ async def test_failures_become_details_not_crashes():
         pool.close()
 
 
-async def test_a_hang_times_out_and_innocent_calls_are_rescored():
-    pool = ScoringPool(SPEC, processes=1, timeout_s=3)  # the others queue behind the hang
+async def test_a_hang_times_out_and_innocent_calls_are_scored():
+    pool = ScoringPool(SPEC, processes=1, timeout_s=3)  # the others queue behind the hang; their limit starts later
     try:
         started = time.monotonic()
         hang = asyncio.create_task(pool.score("p", "hang", {"answer": "1"}))
@@ -49,3 +52,22 @@ async def test_a_hang_times_out_and_innocent_calls_are_rescored():
         assert await pool.score("p", "1", {"answer": "1"}) == (1.0, {"prompt_seen": "p"})  # the pool lives on
     finally:
         pool.close()
+
+
+async def test_scorers_outlive_a_group_signal_and_close_leaves_none():
+    """`scancel` and Ctrl-C signal every process of the group: the scorers keep going (the worker
+    decides when to stop) and `close` kills them all, reaped."""
+    pool = ScoringPool(SPEC, processes=2, timeout_s=20)
+    pids = [scorer.process.pid for scorer in pool._scorers]
+    try:
+        assert await pool.score("p", "1", {"answer": "1"}) == (1.0, {"prompt_seen": "p"})
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGINT)
+        await asyncio.sleep(0.3)
+        assert all(scorer.process.is_alive() for scorer in pool._scorers)
+        assert [r for r, _ in await asyncio.gather(*(pool.score("p", str(i), {"answer": "1"}) for i in range(4)))] == [0.0, 1.0, 0.0, 0.0]
+    finally:
+        pool.close()
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}"), "a scoring process was left (or left unreaped)"

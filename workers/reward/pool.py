@@ -1,16 +1,25 @@
-"""Scoring in a process pool, with a time limit per call.
+"""Scoring in worker processes, with a time limit per call.
 
 A reward function that raises or hangs costs one failure reward, never the worker:
-on a timeout the whole pool is terminated (the only way to stop a hung call) and
-started again, and the calls that were in flight beside it are submitted again.
+each call runs in a process of its own at a time; on a timeout that process alone
+is killed (SIGKILL: the only way to stop a hung call) and replaced, so the calls
+beside it are untouched.
+
+The scoring processes ignore SIGINT and SIGTERM: Ctrl-C in a terminal and Slurm's
+`scancel` signal the whole process group, and a process killed while it talks to
+its parent could leave the parent waiting. The parent alone ends them (SIGKILL on
+close), and they die with it if it dies first (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import multiprocessing
+import signal
 import traceback
 from functools import lru_cache
+from multiprocessing.connection import Connection
 
 from workers.reward import functions
 
@@ -21,48 +30,91 @@ def _function(spec: str) -> functions.RewardFn:
 
 
 def _call(spec: str, prompt: str, completion: str, metadata: dict[str, str]) -> tuple[str, object]:
-    """Runs in a pool process: ("ok", (reward, details)) or ("error", text)."""
+    """Runs in a scoring process: ("ok", (reward, details)) or ("error", text)."""
     try:
         return "ok", functions.normalise(_function(spec)(prompt, completion, metadata))
     except Exception as exc:  # the user's code: anything may come out
         return "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"
 
 
+def _serve(conn: Connection) -> None:
+    """A scoring process: one call at a time until the parent closes the pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    while True:
+        try:
+            call = conn.recv()
+        except EOFError:
+            return
+        conn.send(_call(*call))
+
+
+class _Scorer:
+    """One scoring process and the parent's end of its pipe."""
+
+    def __init__(self, context: multiprocessing.context.BaseContext):
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_serve, args=(child,), daemon=True)
+        self.process.start()
+        child.close()
+
+    async def call(self, args: tuple) -> tuple[str, object]:
+        """Send one call and wait for its answer without blocking the event loop."""
+        loop = asyncio.get_running_loop()
+        readable = loop.create_future()
+        self.conn.send(args)
+        loop.add_reader(self.conn.fileno(), lambda: readable.done() or readable.set_result(None))
+        try:
+            await readable
+        finally:
+            loop.remove_reader(self.conn.fileno())
+        return self.conn.recv()  # EOFError if the process died
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join()
+        self.conn.close()
+
+
 class ScoringPool:
     def __init__(self, spec: str, processes: int, timeout_s: float):
         functions.load(spec)  # fail here, clearly, rather than in every call
-        self.spec, self.processes, self.timeout_s = spec, processes, timeout_s
-        self._context = multiprocessing.get_context("forkserver")
-        self._pool = self._context.Pool(processes)
-        self._generation = 0  # bumped at every restart, so callers know to resubmit
+        self.spec, self.timeout_s = spec, timeout_s
+        self._context = multiprocessing.get_context("spawn")  # no inherited locks or threads
+        self._scorers = [_Scorer(self._context) for _ in range(processes)]
+        self._idle: asyncio.Queue[_Scorer] | None = None  # made in the event loop, at the first call
 
     async def score(self, prompt: str, completion: str, metadata: dict[str, str]) -> tuple[float | None, dict[str, str]]:
-        """(reward, details), or (None, details with the failure) on an exception or a timeout."""
-        loop = asyncio.get_running_loop()
-        while True:  # a call caught in a restart gets a fresh submission and a fresh time limit
-            generation, done, deadline = self._generation, loop.create_future(), loop.time() + self.timeout_s
+        """(reward, details), or (None, details with the failure) on an exception or a timeout.
 
-            def resolve(outcome, done=done):
-                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(outcome))
-
-            self._pool.apply_async(_call, (self.spec, prompt, completion, metadata), callback=resolve,
-                                   error_callback=lambda exc: resolve(("error", repr(exc))))
-            while not done.done() and generation == self._generation and loop.time() < deadline:
-                await asyncio.wait([done], timeout=min(0.05, max(deadline - loop.time(), 0)))
-            if done.done():
-                status, value = done.result()
-                return (value[0], value[1]) if status == "ok" else (None, {"error": str(value)[-2000:]})
-            if loop.time() >= deadline:
-                self._restart()
+        The time limit runs from when a scoring process takes the call, not while it queues.
+        """
+        if self._idle is None:
+            self._idle = asyncio.Queue()
+            for scorer in self._scorers:
+                self._idle.put_nowait(scorer)
+        scorer = await self._idle.get()
+        try:
+            status, value = await asyncio.wait_for(scorer.call((self.spec, prompt, completion, metadata)), self.timeout_s)
+        except BaseException as exc:  # its answer may still come: this process is never asked again
+            scorer = self._replace(scorer)
+            if isinstance(exc, TimeoutError):
                 return None, {"error": f"timeout: scoring took longer than {self.timeout_s} s"}
-            # the pool was restarted under this call: submit it again
+            if isinstance(exc, (EOFError, OSError)):
+                return None, {"error": f"the scoring process died: {exc!r}"}
+            raise  # cancelled: the worker is stopping
+        finally:
+            self._idle.put_nowait(scorer)
+        return (value[0], value[1]) if status == "ok" else (None, {"error": str(value)[-2000:]})
 
-    def _restart(self) -> None:
-        self._pool.terminate()
-        self._pool.join()
-        self._pool = self._context.Pool(self.processes)
-        self._generation += 1
+    def _replace(self, scorer: _Scorer) -> _Scorer:
+        scorer.kill()
+        fresh = _Scorer(self._context)
+        self._scorers[self._scorers.index(scorer)] = fresh
+        return fresh
 
     def close(self) -> None:
-        self._pool.terminate()
-        self._pool.join()
+        for scorer in self._scorers:
+            scorer.kill()
