@@ -84,6 +84,16 @@ class Sequence:
         return len(self.prompt_ids) + len(self.token_ids)
 
 
+def generate_all(engine, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
+    """Run a whole batch to completion on an idle engine (evaluation); results in prompt order."""
+    if not engine.idle():
+        raise RuntimeError("generate() needs an idle engine")
+    seqs = [engine.submit(f"generate/{i}", p, params) for i, p in enumerate(prompts)]
+    while not engine.idle():
+        engine.step()
+    return seqs
+
+
 def check_request(prompt_ids: list[int], params: SamplingParams, max_len: int | None) -> None:
     """Refuse what no engine can run (ValueError), before anything is queued."""
     if not prompt_ids:
@@ -368,13 +378,7 @@ class Engine:
         self.slots_changed = True
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
-        """Run a whole batch to completion (evaluation); results in prompt order."""
-        if not self.idle():
-            raise RuntimeError("generate() needs an idle engine")
-        seqs = [self.submit(f"generate/{i}", p, params) for i, p in enumerate(prompts)]
-        while not self.idle():
-            self.step()
-        return seqs
+        return generate_all(self, prompts, params)
 
     # ---- slots ----
 

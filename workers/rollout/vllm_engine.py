@@ -34,7 +34,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.rollout.engine import SamplingParams, Sequence, check_request
+from workers.rollout.engine import SamplingParams, Sequence, check_request, generate_all
 
 POLL_S = 0.05  # how long step() waits for vLLM's next output before handing control back
 INSTALL_HINT = ("rollout.backend 'vllm' needs vLLM, which is not installed here: "
@@ -170,13 +170,7 @@ class VLLMEngine:
                 self._start(request.seq)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
-        """Run a whole batch to completion (evaluation); results in prompt order."""
-        if not self.idle():
-            raise RuntimeError("generate() needs an idle engine")
-        seqs = [self.submit(f"generate/{i}", p, params) for i, p in enumerate(prompts)]
-        while not self.idle():
-            self.step()
-        return seqs
+        return generate_all(self, prompts, params)
 
     def close(self) -> None:
         self.llm.shutdown()
