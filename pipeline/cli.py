@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     stray = [word for word in extra if word.startswith("-") or "=" not in word]
-    if stray or (extra and args.command in ("broker", "topics", "replay", "bench")):
+    if stray or (extra and not hasattr(args, "overrides")):  # only commands that take overrides
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:  # overrides written after an option, e.g. `run --no-progress trainer.lr=1e-4`
         args.overrides = [*args.overrides, *extra]
