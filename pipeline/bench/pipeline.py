@@ -32,7 +32,8 @@ VARIANTS = {
 
 
 def window_rates(lines: list[dict], warmup_steps: int) -> dict:
-    """Trained and generated tokens per second between the end of warm-up and the last step."""
+    """Trained and generated tokens per second between the end of warm-up and the last step, and
+    where the time went: the trainer's share of the window spent in its steps (near 1: trainer-bound)."""
     steps = [l for l in lines if l["source"] == "trainer"]
     first = next(l for l in steps if l["step"] >= warmup_steps)
     last = steps[-1]
@@ -48,6 +49,8 @@ def window_rates(lines: list[dict], warmup_steps: int) -> dict:
         "steps_per_s": round((last["step"] - first["step"]) / seconds, 3),
         "generated_tokens_per_s": round(generated / generated_seconds, 1) if generated_seconds else None,
         "staleness_mean": round(sum(l["staleness_mean"] for l in measured) / len(measured), 2),
+        "train_step_seconds": round(sum(l["step_seconds"] for l in measured) / len(measured), 3),
+        "trainer_busy": round(sum(l["step_seconds"] for l in measured) / seconds, 3),
         "interrupted_trajectories": last["interrupted_trajectories"],
         "trained_tokens": last["trained_tokens"],
     }
@@ -95,10 +98,12 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def table(report: dict) -> str:
-    lines = [f"{'run':<20} {'trained tok/s':>13} {'steps/s':>8} {'generated tok/s':>15} {'staleness':>9} {'interrupted':>11}"]
+    lines = [f"{'run':<20} {'trained tok/s':>13} {'steps/s':>8} {'generated tok/s':>15} {'staleness':>9} "
+             f"{'interrupted':>11} {'trainer busy':>12}"]
     for name, r in report["runs"].items():
         lines.append(f"{name:<20} {r['trained_tokens_per_s']:>13.1f} {r['steps_per_s']:>8.3f} "
-                     f"{r['generated_tokens_per_s'] or 0:>15.1f} {r['staleness_mean']:>9.2f} {r['interrupted_trajectories']:>11}")
+                     f"{r['generated_tokens_per_s'] or 0:>15.1f} {r['staleness_mean']:>9.2f} {r['interrupted_trajectories']:>11} "
+                     f"{r['trainer_busy']:>12.0%}")
     lines.append(f"async/sync effective training throughput: {report['async_over_sync']:.2f}x")
     lines.append(f"interruption on/off generation throughput: {report['interrupt_on_over_off']}x "
                  f"(training throughput {report['interrupt_on_over_off_trained']:.2f}x)")
