@@ -56,16 +56,22 @@ async def test_a_hang_times_out_and_innocent_calls_are_scored():
 
 async def test_scorers_outlive_a_group_signal_and_close_leaves_none():
     """`scancel` and Ctrl-C signal every process of the group: the scorers keep going (the worker
-    decides when to stop) and `close` kills them all, reaped."""
+    decides when to stop), also while they are still starting, and `close` kills them all, reaped."""
     pool = ScoringPool(SPEC, processes=2, timeout_s=20)
     pids = [scorer.process.pid for scorer in pool._scorers]
-    try:
-        assert await pool.score("p", "1", {"answer": "1"}) == (1.0, {"prompt_seen": "p"})
+
+    def signal_the_scorers() -> None:
         for pid in pids:
             os.kill(pid, signal.SIGTERM)
             os.kill(pid, signal.SIGINT)
+
+    try:
+        signal_the_scorers()  # still starting: the signals are blocked from before the spawn
+        # one call on each scorer (two at once), then the signals again while both are idle
+        assert await asyncio.gather(*(pool.score("p", "1", {"answer": "1"}) for _ in pids)) == [(1.0, {"prompt_seen": "p"})] * 2
+        signal_the_scorers()
         await asyncio.sleep(0.3)
-        assert all(scorer.process.is_alive() for scorer in pool._scorers)
+        assert [scorer.process.pid for scorer in pool._scorers if scorer.process.is_alive()] == pids
         assert [r for r, _ in await asyncio.gather(*(pool.score("p", str(i), {"answer": "1"}) for i in range(4)))] == [0.0, 1.0, 0.0, 0.0]
     finally:
         pool.close()

@@ -37,10 +37,14 @@ def _call(spec: str, prompt: str, completion: str, metadata: dict[str, str]) -> 
         return "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"
 
 
+GROUP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
 def _serve(conn: Connection) -> None:
     """A scoring process: one call at a time until the parent closes the pipe."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for signum in GROUP_SIGNALS:  # they were blocked since the start (see _Scorer): none got through
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, GROUP_SIGNALS)
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     while True:
@@ -57,7 +61,11 @@ class _Scorer:
     def __init__(self, context: multiprocessing.context.BaseContext):
         self.conn, child = context.Pipe()
         self.process = context.Process(target=_serve, args=(child,), daemon=True)
-        self.process.start()
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, GROUP_SIGNALS)  # inherited: no death while it starts
+        try:
+            self.process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child.close()
 
     async def call(self, args: tuple) -> tuple[str, object]:
