@@ -58,6 +58,9 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     pipeline.add_argument("--batch-groups", type=int, default=8, help="groups per step (default: %(default)s)")
     pipeline.add_argument("--n-samples", type=int, default=8, help="samples per group (default: %(default)s)")
     pipeline.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    pipeline.add_argument("--lr", type=float, default=1e-9,
+                          help="trainer learning rate; tiny by default, so the policy (and its output lengths) stays "
+                               "the same in every run and the ratios measure the system, not learning (default: %(default)s)")
     pipeline.add_argument("--no-progress", action="store_true", help="no progress bars")
     staleness = kinds.add_parser(
         "staleness", help="held-out accuracy vs staleness bound eta, naive vs decoupled PPO (the paper's Table 2)",
