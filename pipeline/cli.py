@@ -50,6 +50,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     microbatch = kinds.add_parser("microbatch", help="trainer tokens/s and peak memory: token-budget vs fixed-count micro-batches")
     add_microbatch_arguments(microbatch)
     pipeline = kinds.add_parser("pipeline", help="training throughput: eta=0 vs eta=4, interruption on vs off")
+    pipeline.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. rollout.max_batch=16")
     pipeline.add_argument("--out", default="runs/bench/pipeline.json", help="JSON results file (default: %(default)s)")
     pipeline.add_argument("--steps", type=int, default=60, help="trainer steps per run (default: %(default)s)")
     pipeline.add_argument("--warmup-steps", type=int, default=10,

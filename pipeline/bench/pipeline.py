@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     common = [f"runs_dir={runs_dir}", f"trainer.steps={args.steps}", "trainer.warmup_steps=0", "eval.every=0",
               f"rollout.max_new_tokens={args.max_new_tokens}", f"trainer.batch_groups={args.batch_groups}",
               f"data.n_samples={args.n_samples}", f"seed={args.seed}", "telemetry.sample_ratio=0",
-              f"trainer.lr={args.lr}"]
+              f"trainer.lr={args.lr}", *args.overrides]
     results = {}
     for name, overrides in VARIANTS.items():
         print(f"== {name}: {' '.join(overrides)}", flush=True)
