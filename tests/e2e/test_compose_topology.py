@@ -104,6 +104,19 @@ def start_service(name: str, service: dict, broker, shared: Path, config_path: P
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def stop_services(workers: dict[str, subprocess.Popen], timeout_s: float) -> None:
+    """As `docker compose stop`: SIGTERM to every live service, SIGKILL after `timeout_s`; all reaped."""
+    for process in workers.values():
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in workers.values():
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def wait_for_the_trainer_then_stop(workers: dict[str, subprocess.Popen], logs: dict[str, Path], timeout_s: float) -> None:
     """The trainer ends by itself after its last step; prompts and rollout stop on the final weights
     (compose leaves them down: restart on-failure); the rest gets SIGTERM as `docker compose stop` sends."""
@@ -126,14 +139,7 @@ def wait_for_the_trainer_then_stop(workers: dict[str, subprocess.Popen], logs: d
         for process in workers.values():
             process.wait(timeout=20)
     finally:
-        for process in workers.values():  # on any failure: nothing left behind, everything reaped
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-            process.wait()
+        stop_services(workers, timeout_s=10)  # on any failure: nothing left behind, everything reaped
     assert {name: p.returncode for name, p in workers.items()} == dict.fromkeys(workers, 0), \
         "\n".join(tail(p) for p in logs.values())
 
@@ -188,14 +194,7 @@ def test_scaled_up_rollout_joins_the_running_pipeline(broker, tmp_path, unique_n
             assert all(p.poll() is None for p in workers.values()), "\n".join(tail(p) for p in logs.values())
             time.sleep(0.5)
     finally:
-        for process in workers.values():  # `docker compose stop`
-            process.send_signal(signal.SIGTERM)
-        for process in workers.values():
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_services(workers, timeout_s=30)  # `docker compose stop`
     assert {name: p.returncode for name, p in workers.items()} == dict.fromkeys(workers, 0), \
         "\n".join(tail(p) for p in logs.values())
     manifests, _, _ = asyncio.run(read_run(broker.bootstrap, prefix))
