@@ -55,7 +55,8 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     pipeline.add_argument("--steps", type=int, default=60, help="trainer steps per run (default: %(default)s)")
     pipeline.add_argument("--warmup-steps", type=int, default=10,
                           help="steps left out of the measurement (default: %(default)s)")
-    pipeline.add_argument("--max-new-tokens", type=int, default=64, help="output length limit (default: %(default)s)")
+    pipeline.add_argument("--max-new-tokens", type=int, default=120,
+                          help="output length limit; the demo model holds 128 positions (default: %(default)s)")
     pipeline.add_argument("--batch-groups", type=int, default=8, help="groups per step (default: %(default)s)")
     pipeline.add_argument("--n-samples", type=int, default=8, help="samples per group (default: %(default)s)")
     pipeline.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")

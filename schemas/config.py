@@ -24,6 +24,11 @@ class BrokerConfig(Section):
     bootstrap: Annotated[str, doc("Kafka bootstrap HOST:PORT; empty = start the embedded Tansu broker")] = ""
     topic_prefix: Annotated[str, doc("prefix for every topic name, to share one broker between runs")] = ""
     partitions: Annotated[int, doc("partitions of prompts/segments/scored (weights always has 1)", ge=1)] = 1
+    fetch_wait_ms: Annotated[int, doc(
+        "longest a worker's fetch waits at the broker for new records (Tansu answers only at this deadline, so "
+        "it is latency per hop); 0 = 20 when trainer.max_staleness is 0 (every hop is on the critical path "
+        "of a synchronous step), else 200 (the pipeline runs ahead, so latency is hidden, and fewer idle "
+        "fetches leave the cores to generation and training)", ge=0)] = 0
 
 
 class ModelConfig(Section):

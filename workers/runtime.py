@@ -150,6 +150,12 @@ def topic_layout(config: RunConfig) -> TopicLayout:
     return TopicLayout(config.broker.topic_prefix, config.broker.partitions)
 
 
+def consumer_settings(config: RunConfig) -> dict:
+    """What every worker's consumers share: the fetch wait (`broker.fetch_wait_ms`, resolved)."""
+    wait = config.broker.fetch_wait_ms or (20 if config.trainer.max_staleness == 0 else 200)
+    return {"fetch_max_wait_ms": wait}
+
+
 def bootstrap(config: RunConfig) -> str:
     if not config.broker.bootstrap:
         raise ValueError("broker.bootstrap is empty: a worker needs a running broker (asyncrl run starts one)")

@@ -12,6 +12,8 @@ early, so output lengths are long-tailed (geometric, capped at max_new_tokens), 
 reasoning traces are. Effective training throughput is the completion tokens consumed
 by PPO updates per second after the first `--warmup-steps` steps; generation
 throughput is the tokens the rollout worker emitted per second over the same window.
+Where the time goes: the trainer's share of the window spent in its steps, and the
+cores each role used over the window (sampled from /proc, `cpu_cores`).
 
 The learning rate is tiny by default (`--lr`): the training compute is the same, but
 the policy stays put, so every run generates the same length distribution. With a
@@ -27,6 +29,7 @@ import json
 from pathlib import Path
 
 from pipeline.bench import machine, run_to_end
+from pipeline.bench.cpu import CpuSampler
 from pipeline.config import load_config
 from pipeline.monitor import read_metrics
 
@@ -59,6 +62,7 @@ def window_rates(lines: list[dict], warmup_steps: int) -> dict:
         "trainer_busy": round(sum(l["step_seconds"] for l in measured) / seconds, 3),
         "interrupted_trajectories": last["interrupted_trajectories"],
         "trained_tokens": last["trained_tokens"],
+        "window": (first["time"], last["time"]),
     }
 
 
@@ -73,12 +77,14 @@ def run(args: argparse.Namespace) -> int:
     for name, overrides in VARIANTS.items():
         print(f"== {name}: {' '.join(overrides)}", flush=True)
         config = load_config(None, [*common, *overrides, f"name=bench-{name}"])
-        run_dir = run_to_end(config, progress=not args.no_progress)
+        with CpuSampler() as cpu:
+            run_dir = run_to_end(config, progress=not args.no_progress)
         if run_dir is None:
             print(f"asyncrl: the {name} run did not finish", flush=True)
             return 1
         lines, _ = read_metrics(run_dir / "metrics.jsonl")
-        results[name] = {"run_dir": str(run_dir), **window_rates(lines, args.warmup_steps)}
+        rates = window_rates(lines, args.warmup_steps)
+        results[name] = {"run_dir": str(run_dir), **rates, "cpu_cores": cpu.cores(*rates.pop("window"))}
         results[name]["mean_completion_tokens"] = round(
             results[name]["trained_tokens"] / (args.steps * args.batch_groups * args.n_samples), 1)
     report = {
@@ -111,6 +117,9 @@ def table(report: dict) -> str:
         lines.append(f"{name:<20} {r['trained_tokens_per_s']:>13.1f} {r['steps_per_s']:>8.3f} "
                      f"{r['generated_tokens_per_s'] or 0:>15.1f} {r['staleness_mean']:>9.2f} {r['interrupted_trajectories']:>11} "
                      f"{r['trainer_busy']:>12.0%}")
+    for name, r in report["runs"].items():
+        cores = ", ".join(f"{role} {used:.2f}" for role, used in r["cpu_cores"].items())
+        lines.append(f"{name} cores used: {cores} (total {sum(r['cpu_cores'].values()):.2f})")
     lines.append(f"async/sync effective training throughput: {report['async_over_sync']:.2f}x")
     lines.append(f"interruption on/off generation throughput: {report['interrupt_on_over_off']}x "
                  f"(training throughput {report['interrupt_on_over_off_trained']:.2f}x)")

@@ -17,3 +17,4 @@ def test_window_rates_after_warm_up():
     assert rates["trained_tokens_per_s"] == 100.0 and rates["steps_per_s"] == 1.0
     assert rates["generated_tokens_per_s"] == 200.0
     assert rates["train_step_seconds"] == 0.5 and rates["trainer_busy"] == 0.5  # (0.25 + 0.75) / 2 s
+    assert rates["window"] == (1.0, 3.0)  # where the CPU sampler reads the cores used

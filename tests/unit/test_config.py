@@ -65,3 +65,12 @@ def test_bad_yaml_file_is_named(tmp_path):
 def test_every_field_is_described():
     for line in explain().splitlines():
         assert line.split("# ", 1)[1].strip(), f"undocumented field: {line}"
+
+
+def test_fetch_wait_follows_the_staleness_bound_unless_set():
+    from workers.runtime import consumer_settings
+
+    wait = lambda *overrides: consumer_settings(load_config(None, list(overrides)))["fetch_max_wait_ms"]
+    assert wait("trainer.max_staleness=0") == 20  # synchronous: every hop is on the critical path
+    assert wait("trainer.max_staleness=4") == 200
+    assert wait("trainer.max_staleness=0", "broker.fetch_wait_ms=7") == 7

@@ -9,6 +9,7 @@ import torch
 from transformers import (GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
                           MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
+from workers.rollout import engine as engine_module
 from workers.rollout.engine import DirectForward, Engine, HFForward, SamplingParams
 
 torch.set_num_threads(1)
@@ -127,6 +128,32 @@ def test_interruption_continues_like_fresh_engine_with_new_weights(model, forwar
     assert late.token_ids == fresh.generate([late.prompt_ids], GREEDY)[0].token_ids and set(late.versions) == {1}
     old = Engine(tiny_model(0)).generate(PROMPTS, GREEDY)
     assert any(s.token_ids != o.token_ids for s, o in zip(seqs, old))  # the update did change the policy
+
+
+def test_re_prefill_is_chunked_by_length_and_changes_nothing(model, monkeypatch):
+    """After an interruption, contexts of 3 to 40 tokens are re-prefilled in chunks of similar widths
+    (padding each to the longest would cost several times the real tokens), with the same tokens."""
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [2] * 12, [3] * 20, [5] * 40]
+    new_weights = perturbed(model)
+
+    def run(spread: float) -> tuple[list[int], list[list[int]]]:
+        monkeypatch.setattr(engine_module, "PREFILL_SPREAD", spread)
+        engine = Engine(tiny_model(0))
+        for i, prompt in enumerate(prompts):
+            engine.submit(f"s{i}", prompt, GREEDY)
+        engine.step()
+        engine.update_weights(new_weights, version=1)
+        widths, forward = [], engine.forward
+        engine.forward = lambda batch: widths.append(batch.width) or forward(batch)
+        for _ in range(3):
+            engine.step()
+        return widths, [s.token_ids for s in engine.slots]
+
+    chunked_widths, chunked = run(1.5)
+    one_widths, one = run(float("inf"))
+    assert chunked_widths[:4] == [5, 13, 21, 41]  # 4 and 5 tokens together, the others alone; then decoding
+    assert one_widths[0] == 41  # every context padded to the longest
+    assert chunked == one
 
 
 def test_admission_mid_flight_does_not_change_others(model, forward):

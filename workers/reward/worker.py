@@ -99,7 +99,8 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
     async with (
         make_producer(bootstrap, linger_ms=5) as producer,
         make_group_consumer(bootstrap, layout.name("segments"), f"{layout.prefix}reward",
-                            listener=commits.rebalance_listener(), max_poll_records=512) as consumer,
+                            listener=commits.rebalance_listener(), max_poll_records=512,
+                            **runtime.consumer_settings(config)) as consumer,
     ):
         log.info("reward worker started", reward=config.data.reward, processes=config.reward.processes)
         last_commit, scoring = time.monotonic(), set()

@@ -57,6 +57,7 @@ NO_TOP_K = torch.iinfo(torch.long).max  # a rank no token reaches
 DIRECT_FAMILIES = {"llama", "qwen2", "qwen3"}  # pre-norm, rotary, gated MLP, RMSNorm; no sliding window
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # frequencies independent of the sequence length
 CAPACITY_STEP = 64  # slot capacity grows in multiples of this
+PREFILL_SPREAD = 1.5  # a prefill chunk's longest row is at most this times its first: padding stays bounded
 
 
 @dataclass
@@ -431,12 +432,15 @@ class Engine:
         """Decode slots 0..decoding-1, prefill the rest (whole context); next-token logits [B, V].
 
         The decode rows ride with the first prefill chunk; further chunks, each under
-        max_prefill_tokens padded tokens, get their own forward.
+        max_prefill_tokens padded tokens and PREFILL_SPREAD in width, get their own
+        forward (after an interruption every slot is re-prefilled, and padding them all
+        to the longest one would cost several times the real tokens).
         """
         logits, start = [], self.decoding
         while start < len(self.slots) or not logits:
             end = start  # grow the chunk while its padded size fits the budget (lengths ascend)
-            while end < len(self.slots) and (end + 1 - start) * len(self.slots[end]) <= self.max_prefill_tokens:
+            while (end < len(self.slots) and (end + 1 - start) * len(self.slots[end]) <= self.max_prefill_tokens
+                   and len(self.slots[end]) <= PREFILL_SPREAD * len(self.slots[start])):
                 end += 1
             end = max(end, min(start + 1, len(self.slots)))  # a context longer than the budget goes alone
             decode = self.decoding if not logits else 0

@@ -150,12 +150,12 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
     runtime.configure_tracing(config, "rollout")
     layout, bootstrap = runtime.topic_layout(config), runtime.bootstrap(config)
     dead_letter = layout.name("dead-letter")
-    commits = CommitTracker()
+    commits, fetch = CommitTracker(), runtime.consumer_settings(config)
     async with (
         make_producer(bootstrap, linger_ms=5) as producer,
         make_group_consumer(bootstrap, layout.name("prompts"), f"{layout.prefix}rollout",
-                            listener=commits.rebalance_listener(), max_poll_records=64) as prompts,
-        assigned_consumer(bootstrap, layout.name("weights")) as weights,
+                            listener=commits.rebalance_listener(), max_poll_records=64, **fetch) as prompts,
+        assigned_consumer(bootstrap, layout.name("weights"), **fetch) as weights,
     ):
         rollout = Rollout(config, me, producer, layout.name("segments"))
         waiting, latest = [], None

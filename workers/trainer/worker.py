@@ -222,12 +222,13 @@ async def lead(config: RunConfig, trainer: Trainer, stop: asyncio.Event) -> None
     st, cfg = trainer.state, config.trainer
     manifests = [r.message for r in await read_topic(bootstrap, layout.name("batches"), BatchManifest) if isinstance(r.message, BatchManifest)]
     redo, buffer = restore(manifests, st)
+    fetch = runtime.consumer_settings(config)
     log.info("trainer started", step=st.step, ranks=trainer.world, redo=[m.step for m in redo], resume_offsets=st.resume_offsets)
 
     async with (
         make_producer(bootstrap) as producer,
-        assigned_consumer(bootstrap, layout.name("scored"), st.resume_offsets) as scored,
-        assigned_consumer(bootstrap, layout.name("prompts")) as releases,  # deadlines of groups still generating
+        assigned_consumer(bootstrap, layout.name("scored"), st.resume_offsets, **fetch) as scored,
+        assigned_consumer(bootstrap, layout.name("prompts"), **fetch) as releases,  # deadlines of groups still generating
     ):
         feed = Feed(buffer, producer, layout, me, releases, scored, st.resume_offsets)
         pending_drops: list[DroppedGroup] = []  # dropped since the last manifest, recorded in the next one
