@@ -113,8 +113,8 @@ class TrainerConfig(Section):
     max_tokens_per_microbatch: Annotated[
         int,
         doc("dynamic: token budget (prompt + completion) of one packed micro-batch; a longer sequence goes alone. "
-            "Packed attention costs budget^2 on CPU: the default suits the demo, raise it for large models", ge=1),
-    ] = 256
+            "Activation memory grows with it (the logits alone are budget x vocabulary floats)", ge=1),
+    ] = 1024
     min_microbatches: Annotated[int, doc("dynamic: at least this many micro-batches per minibatch", ge=1)] = 1
     microbatches_fixed: Annotated[
         int, doc("fixed: micro-batches per minibatch (contiguous, equal sequence counts)", ge=1)

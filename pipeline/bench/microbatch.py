@@ -13,8 +13,8 @@ avoid running out of memory: the smallest count whose largest micro-batch, over 
 of the workload, stays within the budget. Both modes then fit the same bound; what the fixed
 count pays for it is more, smaller micro-batches. (Matching measured peaks instead would pick
 about the same count, since the peak follows the largest micro-batch's tokens, at the cost of
-a search over counts.) On CPU, packing attends through a dense [L, L] mask, so a fuller
-micro-batch also costs more attention per token: that counts against dynamic here, as in a run.
+a search over counts.) Attention runs per packed sequence, so its cost does not depend on
+the split.
 
 Peak memory is measured per mode in a fresh process, after one untimed warm-up step (the
 optimizer state exists, first-call costs are paid): on CUDA `max_memory_allocated` above

@@ -205,8 +205,11 @@ async def test_two_fsdp2_ranks_train_the_stream_like_one_process(broker, tmp_pat
         [m.trajectory_ids for m in await manifests_of(broker.bootstrap, one)]
     expected, got = final_weights(tmp_path / "runs" / one), final_weights(tmp_path / "runs" / two)
     assert expected.keys() == got.keys()
+    # Two ranks sum in another order than one process (one step: within 2e-6, tests/unit/test_distributed.py);
+    # at lr 1e-2 Adam turns such rounding on near-zero gradients into full-size steps, compounded over the run
+    # (1.3e-5 measured on a key bias). A lost optimizer state or a step trained twice moves weights by ~lr.
     for key in expected:
-        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-5, msg=f"{key} after a stop at step {stopped_at}")
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=5e-5, msg=f"{key} after a stop at step {stopped_at}")
 
 
 def test_replay_retrain_rebuilds_a_step_bit_for_bit(straight_run, capsys):

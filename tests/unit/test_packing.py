@@ -19,16 +19,7 @@ def test_pack_by_hand():
     packed = pack(ids, (ids > 0).long())
     assert packed.input_ids.tolist() == [[3, 4, 5, 6, 7, 8]]
     assert packed.position_ids.tolist() == [[0, 1, 2, 0, 1, 0]]
-    allowed = [  # causal inside each sequence (tokens 0-2, 3-4, 5), nothing across
-        [1, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0],
-        [1, 1, 1, 0, 0, 0],
-        [0, 0, 0, 1, 0, 0],
-        [0, 0, 0, 1, 1, 0],
-        [0, 0, 0, 0, 0, 1],
-    ]
-    assert (packed.attention_mask[0, 0] == 0).long().tolist() == allowed
-    assert packed.attention_mask.min().item() == torch.finfo(torch.float32).min
+    assert packed.cu_seqlens.tolist() == [0, 3, 5, 6]  # attention stays inside tokens 0-2, 3-4, 5
     # padded position t of row r predicts token t+1 of r: packed position start_r + t, for t < length_r - 1
     assert packed.valid.tolist() == [[True, True, False], [True, False, False], [False, False, False]]
     assert packed.index.tolist() == [[0, 1, 0], [3, 0, 0], [0, 0, 0]]

@@ -18,7 +18,7 @@ import torch
 
 from workers.trainer.losses import batch_totals, decoupled_ppo_loss
 from workers.trainer.microbatch import Allocator, allocate_fixed
-from workers.trainer.packing import pack
+from workers.trainer.packing import pack, use_packed_attention
 
 WHOLE_BATCH: Allocator = partial(allocate_fixed, count=1)
 
@@ -70,10 +70,9 @@ def collate(
 def packed_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(token t+1 | tokens <= t) at the sampling temperature and the entropy of that
     next-token distribution (no grad), [N, T-1] each, from one forward pass over the rows packed into one."""
-    packed = pack(batch.input_ids, batch.attention_mask, next(model.parameters()).dtype)
-    logits = model(
-        input_ids=packed.input_ids, attention_mask=packed.attention_mask, position_ids=packed.position_ids
-    ).logits[0, :-1]  # [L-1, V]
+    use_packed_attention(model)
+    packed = pack(batch.input_ids, batch.attention_mask)
+    logits = model(**packed.model_inputs()).logits[0, :-1]  # [L-1, V]
     if temperature > 0:
         logits = logits / temperature
     logp = torch.log_softmax(logits.float(), dim=-1)  # [L-1, V]
