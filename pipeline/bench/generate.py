@@ -12,6 +12,9 @@ Two length distributions: long-tailed (what RL rollouts look like: most answers 
 few running to the limit, where static batching idles on the stragglers) and fixed (every
 request at the limit, where static batching wastes nothing).
 
+It also prints what an interruption costs here (`step_costs`): a decode step at 1, 16
+and `concurrency` rows, and the re-prefill of a full batch after a weight update.
+
 Speedups compare the fastest wall-clock run of each system. Each run also records the
 process CPU time it took, and `speedup_vs_hf_cpu` compares those: on a machine shared
 with other work, CPU time is the steadier measure of the same thing.
@@ -107,6 +110,37 @@ def run_hf(model, prompts: list[list[int]], lengths: list[int], s: Settings, bar
             "generated_tokens": generated, "useful_fraction": round(sum(lengths) / generated, 3)}
 
 
+def step_costs(model, prompts: list[list[int]], lengths: list[int], s: Settings) -> dict:
+    """Milliseconds of a decode step by batch size, and of the step after a weight update, which
+    re-prefills every running sequence (best of `repeats`): the two sides of interruption."""
+    def best_ms(engine: Engine, before=lambda: None) -> float:
+        times = []
+        for _ in range(max(3, s.repeats)):
+            before()
+            start = time.perf_counter()
+            engine.step()
+            times.append(1000 * (time.perf_counter() - start))
+        return round(min(times), 2)
+
+    params = SamplingParams(temperature=s.temperature, max_new_tokens=s.max_new_tokens)
+    decode = {}
+    for rows in sorted({1, 16, s.concurrency}):
+        engine = Engine(model, max_batch=rows, seed=s.seed)
+        for i in range(rows):
+            engine.submit(str(i), prompts[i % len(prompts)], params)
+        engine.step()  # the prefill
+        decode[rows] = best_ms(engine)
+    engine = Engine(model, max_batch=s.concurrency, seed=s.seed)  # mid-run: contexts of many lengths
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+        engine.submit(str(i), prompt, SamplingParams(temperature=s.temperature, max_new_tokens=n))
+    for _ in range(s.max_new_tokens // 2):
+        engine.step()
+    weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    reprefill = best_ms(engine, lambda: engine.update_weights(weights, engine.version + 1))
+    return {"decode_step_ms": decode, "reprefill_ms": reprefill, "reprefill_rows": len(engine.slots),
+            "reprefill_context_mean": round(sum(map(len, engine.slots)) / max(1, len(engine.slots)), 1)}
+
+
 def fastest(runs: list[dict]) -> dict:
     """The quickest of repeated runs: load from other processes only ever slows a run down."""
     return {**min(runs, key=lambda r: r["seconds"]), "seconds_all": [r["seconds"] for r in runs],
@@ -155,6 +189,7 @@ def benchmark(s: Settings) -> dict:
         "speedup_vs_hf": results["long_tailed"]["speedup_vs_hf"],
         "speedup_vs_hf_fixed": results["fixed"]["speedup_vs_hf"],
         "scenarios": results,
+        "step_costs": step_costs(model, prompts, scenarios["long_tailed"], s),
         "settings": {**asdict(s), "hf_batch": s.hf_batch or s.concurrency, "prompt_lengths": list(PROMPT_LENGTHS),
                      "long_tail": f"lognormal(median={TAIL_MEDIAN_FRACTION:g}*max_new_tokens, sigma={TAIL_SIGMA:g})"
                                   " clipped to [1, max_new_tokens]",
@@ -183,6 +218,12 @@ def table(report: dict) -> str:
                  f"HF useful fraction {long['hf']['useful_fraction']:.0%}")
     lines.append("speedup in process CPU time: " + ", ".join(
         f"{name} {r['speedup_vs_hf_cpu']:.2f}x" for name, r in report["scenarios"].items()))
+    costs = report["step_costs"]
+    decode = costs["decode_step_ms"]
+    lines.append("decode step: " + ", ".join(f"{rows} rows {ms:.2f} ms" for rows, ms in decode.items())
+                 + f"; after a weight update, re-prefilling {costs['reprefill_rows']} sequences "
+                 f"({costs['reprefill_context_mean']} tokens on average): {costs['reprefill_ms']:.1f} ms "
+                 f"= {costs['reprefill_ms'] / decode[max(decode)]:.1f} decode steps of {max(decode)} rows")
     return "\n".join(lines)
 
 

@@ -18,4 +18,8 @@ def test_bench_generate_writes_its_headline_and_settings(tmp_path, capsys):
         assert scenario["lengths"]["total"] > 0 and scenario["engine"]["tokens_per_s"] > 0
         assert scenario["speedup_vs_hf_cpu"] > 0 and scenario["hf"]["cpu_seconds_min"] > 0
         assert scenario["engine"]["forward"] == "DirectForward"  # the demo model is a Qwen2
-    assert "speedup" in capsys.readouterr().out
+    costs = result["step_costs"]  # what interruption costs: decode steps by rows, a full re-prefill
+    assert set(costs["decode_step_ms"]) == {"1", "4", "16"} and min(costs["decode_step_ms"].values()) > 0
+    assert costs["reprefill_ms"] > 0 and costs["reprefill_rows"] > 0
+    printed = capsys.readouterr().out
+    assert "speedup" in printed and "re-prefilling" in printed
