@@ -101,7 +101,10 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
     log.info("prompt source started", rows=len(rows), bad_rows=len(bad), already_released=n_released)
     version = WeightVersion(version=0, uri="", content_hash="", step=0, groups_consumed=0, groups_dropped=0)
 
-    async with make_producer(bootstrap) as producer, assigned_consumer(bootstrap, layout.name("weights"), **runtime.consumer_settings(config)) as weights:
+    async with (
+        make_producer(bootstrap) as producer,
+        assigned_consumer(bootstrap, layout.name("weights"), **runtime.consumer_settings(config)) as weights,
+    ):
         if not released:
             for row in bad:
                 await send_dead_letter(producer, layout.name("dead-letter"), DeadLetter(

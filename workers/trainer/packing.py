@@ -34,9 +34,7 @@ class Packed:
 
     def model_inputs(self) -> dict:
         """Keyword arguments of a Hugging Face causal LM set to `PACKED_ATTENTION` (see `use_packed_attention`)."""
-        longest = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
-        return dict(input_ids=self.input_ids, position_ids=self.position_ids, cu_seq_lens_q=self.cu_seqlens,
-                    cu_seq_lens_k=self.cu_seqlens, max_length_q=longest, max_length_k=longest)
+        return dict(input_ids=self.input_ids, position_ids=self.position_ids, cu_seq_lens_q=self.cu_seqlens)
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
