@@ -102,6 +102,8 @@ def add_staleness_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="JSON results file, the plot next to it as .png "
                                       "(default: runs/bench/staleness.json; --quick: runs/bench/staleness-quick.json)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="run nothing: one table and plot from reports of separate runs (e.g. one seed each)")
 
 
 def add_microbatch_arguments(parser: argparse.ArgumentParser) -> None:

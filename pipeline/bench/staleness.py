@@ -223,7 +223,44 @@ def run_grid(configs: dict[Setting, RunConfig], progress: bool) -> tuple[list[di
     return rows, None
 
 
+def merge(reports: list[dict]) -> dict:
+    """One report from several of the same settings run separately (seeds on other machines or days)."""
+    first = reports[0]["settings"]
+    for report in reports[1:]:
+        differ = [k for k in ("steps", "eval_every", "tail_evals") if report["settings"][k] != first[k]]
+        if differ:
+            raise ValueError(f"the reports differ in {', '.join(differ)}: their rows cannot share a table")
+    keys = [(r["eta"], r["objective"], r["seed"]) for report in reports for r in report["rows"]]
+    if len(set(keys)) < len(keys):
+        raise ValueError("the reports repeat a run (same eta, objective and seed)")
+    rows = [row for report in reports for row in report["rows"]]
+    return {
+        "cells": cells(rows), "rows": rows,
+        "wall_seconds": round(sum(r["wall_seconds"] for r in reports), 1),
+        "models_seconds": round(sum(r["models_seconds"] for r in reports), 1),
+        "settings": {**first, "seeds": sorted({r["seed"] for r in rows}), "etas": sorted({r["eta"] for r in rows})},
+        "machine": reports[0]["machine"], "merged_from": len(reports),
+    }
+
+
+def write(report: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    if report["rows"]:
+        print(table(report))
+        plot(report, out.with_suffix(".png"))
+        print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.merge:
+        try:
+            report = merge([json.loads(Path(path).read_text()) for path in args.merge])
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"asyncrl: cannot merge: {exc}", file=sys.stderr)
+            return 2
+        write(report, Path(args.out or "runs/bench/staleness.json"))
+        return 0
     started = time.time()
     transformers.utils.logging.disable_progress_bar()  # saving and loading bars would break the bars over runs and steps
     plan = plan_for(args)
@@ -254,12 +291,7 @@ def run(args: argparse.Namespace) -> int:
                      "config": msgspec.to_builtins(shared)},
         "machine": machine(),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    if rows:
-        print(table(report))
-        plot(report, out.with_suffix(".png"))
-        print(f"wrote {out} and {out.with_suffix('.png')}")
+    write(report, out)
     if failed:
         print(f"asyncrl: the run {failed} did not finish; {out} has the {len(rows)} runs before it", file=sys.stderr)
         return 1

@@ -107,3 +107,30 @@ def test_the_plot_is_a_png(tmp_path):
     path = tmp_path / "staleness.png"
     staleness.plot(report_of(fake_rows()), path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_reports_of_separate_runs_merge_into_one_table_and_plot(tmp_path, capsys):
+    import json
+
+    from pipeline.cli import main
+
+    rows = fake_rows()
+    paths = []
+    for seed in (0, 1):  # one report per seed, as two invocations (or machines) would write them
+        report = {**report_of([r for r in rows if r["seed"] == seed]), "machine": {"cpu_count": 2}}
+        report["settings"] = {**report["settings"], "seeds": [seed]}
+        paths.append(tmp_path / f"seed{seed}.json")
+        paths[-1].write_text(json.dumps(report))
+    out = tmp_path / "merged.json"
+    assert main(["bench", "staleness", "--merge", *map(str, paths), "--out", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert merged["settings"]["seeds"] == [0, 1] and len(merged["rows"]) == 8
+    assert merged["cells"] == staleness.cells(rows)  # as if one invocation had run both seeds
+    assert out.with_suffix(".png").exists() and "naive        4     2  32.0%  2.8%" in capsys.readouterr().out
+
+    assert main(["bench", "staleness", "--merge", str(paths[0]), str(paths[0]), "--out", str(out)]) == 2
+    other = json.loads(paths[1].read_text())
+    other["settings"]["steps"] = 200
+    paths[1].write_text(json.dumps(other))
+    assert main(["bench", "staleness", "--merge", *map(str, paths), "--out", str(out)]) == 2
+    assert "differ in steps" in capsys.readouterr().err
