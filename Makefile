@@ -1,11 +1,12 @@
 # The two commands: `make demo` and `make test`. Both create .venv when needed.
+# Also: `make test-unit` (fast: no e2e, no slow tests), `make lint` (ruff, as CI runs it), `make format`.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 # torch first and pinned: this pin is a local CPU wheel here; an unpinned torch pulls CUDA builds.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test install install-test clean
+.PHONY: demo test test-unit lint format install install-test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,5 +26,20 @@ demo: install
 test: install-test
 	$(BIN)/python -m pytest -q
 
+# the quick loop (~20 s on 2 cores): tests/unit, less anything marked e2e or slow
+test-unit: install-test
+	$(BIN)/python -m pytest -q tests/unit -m "not e2e and not slow"
+
+# ruff is pinned in the test extra; both checks run even when the first fails, and either fails the target
+lint: install-test
+	@status=0; \
+	$(BIN)/ruff check . || status=1; \
+	$(BIN)/ruff format --check . || status=1; \
+	exit $$status
+
+format: install-test
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

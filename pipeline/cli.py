@@ -14,7 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="run a whole pipeline locally (the built-in demo with no config)")
     run.add_argument("config", nargs="?", help="YAML run config (default: the built-in demo)")
-    run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-4")
+    run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.optim.lr=1e-4")
     run.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, start nothing")
     run.add_argument("--explain", action="store_true", help="with --dry-run: list every field with its description")
     run.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
@@ -93,7 +93,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_staleness_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. trainer.lr=3e-4")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. trainer.optim.lr=3e-4")
     parser.add_argument("--quick", action="store_true", help="eta 0 and 4 only, seed 0, 600 steps")
     parser.add_argument("--seeds", type=int, nargs="+", help="seeds (default: 0 1 2; --quick: 0)")
     parser.add_argument("--steps", type=int, help="trainer steps per run (default: 1200, the demo's; --quick: 600)")
@@ -173,7 +173,7 @@ def add_broker_options(parser: argparse.ArgumentParser, inherited: bool = False)
 
 
 def split_config_and_overrides(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
-    """`asyncrl run trainer.lr=1e-4` has no config file: the first word is an override."""
+    """`asyncrl run trainer.optim.lr=1e-4` has no config file: the first word is an override."""
     if config is not None and "=" in config:
         return None, [config, *overrides]
     return config, overrides
@@ -185,9 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     stray = [word for word in extra if word.startswith("-") or "=" not in word]
     if stray or (extra and not hasattr(args, "overrides")):  # only commands that take overrides
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
-    if extra:  # overrides written after an option, e.g. `run --no-progress trainer.lr=1e-4`
+    if extra:  # overrides written after an option, e.g. `run --no-progress trainer.optim.lr=1e-4`
         args.overrides = [*args.overrides, *extra]
-    from pipeline.config import ConfigError, explain, load_config, to_yaml
+    from pipeline.config import RUN_DIR_NOTE, ConfigError, explain, load_config, resolve, to_yaml
 
     try:
         if args.command in ("topics", "replay"):
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             print(prepare(config)[1])
             return 0
         if args.dry_run:
-            print(explain() if args.explain else to_yaml(config), end="")
+            print(RUN_DIR_NOTE + (explain(resolve(config)) if args.explain else to_yaml(resolve(config))), end="")
             return 0
         from pipeline.launch import run_pipeline
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import sys
 import typing
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import yaml
+from msgspec.structs import replace
 
 from schemas.config import RunConfig
 
@@ -17,7 +19,7 @@ class ConfigError(ValueError):
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """'trainer.lr=1e-4' -> (['trainer', 'lr'], 0.0001); values are parsed as YAML scalars."""
+    """'trainer.optim.lr=1e-4' -> (['trainer', 'optim', 'lr'], 0.0001); values are parsed as YAML scalars."""
     key, sep, raw = text.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r} is not of the form section.key=value")
@@ -28,21 +30,81 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
-def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+# Names of fields that moved, old dotted name -> where it lives now. `trainer.microbatch` comes first: it was
+# the mode string and is now a section, so it must become one before the other micro-batch names move into it.
+LEGACY_NAMES = {
+    "trainer.microbatch": "trainer.microbatch.mode",
+    "trainer.max_tokens_per_microbatch": "trainer.microbatch.max_tokens",
+    "trainer.min_microbatches": "trainer.microbatch.min_count",
+    "trainer.microbatches_fixed": "trainer.microbatch.fixed_count",
+    **{f"trainer.{name}": f"trainer.optim.{name}" for name in ("lr", "weight_decay", "grad_clip", "minibatches")},
+    **{f"trainer.{name}": f"trainer.loss.{name}" for name in (
+        "objective", "advantage", "clip_eps", "clip_eps_high", "behaviour_weight_cap", "behaviour_weight_mode",
+        "behaviour_weight_level", "kl_coef")},
+    "trainer.loss_aggregation": "trainer.loss.aggregation",
+    "trainer.checkpoint_every": "trainer.checkpoint.every",
+    "trainer.keep_checkpoints": "trainer.checkpoint.keep",
+    "trainer.keep_versions": "trainer.checkpoint.keep_versions",
+    "trainer.weights_dir": "trainer.checkpoint.weights_dir",
+    "trainer.warmup_steps": "model.warmup_steps",
+}
+
+
+def current_name(path: list[str], value: Any, used: set[str]) -> list[str]:
+    """`path` itself, or where the old name it spells lives now (noted in `used`); a mapping is a section,
+    never an old name (`trainer.microbatch` was a string)."""
+    old = ".".join(path)
+    if old not in LEGACY_NAMES or isinstance(value, dict):
+        return path
+    used.add(old)
+    return LEGACY_NAMES[old].split(".")
+
+
+def set_path(tree: dict[str, Any], path: list[str], value: Any, what: str) -> None:
+    """tree[path[0]][path[1]]... = value, creating sections; `what` names the setting in errors."""
+    node = tree
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{what}: {part!r} is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def parent_of(tree: dict[str, Any], path: list[str]) -> dict[str, Any] | None:
+    """The section that holds (or would hold) `path`'s last part, if the tree has it."""
+    node: Any = tree
+    for part in path[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else None
+
+
+def move_legacy_names(tree: dict[str, Any], used: set[str], where: str) -> None:
+    """Move the old names of a config file (one an older version wrote, say) to where they live now."""
+    for old in LEGACY_NAMES:
+        path = old.split(".")
+        section = parent_of(tree, path)
+        if section is None or path[-1] not in section:
+            continue
+        new = current_name(path, section[path[-1]], used)
+        if new == path:
+            continue
+        target = parent_of(tree, new)
+        if target is not None and new[-1] in target:
+            raise ConfigError(f"{where} sets both {old} and {'.'.join(new)} (one setting): keep {'.'.join(new)}")
+        set_path(tree, new, section.pop(path[-1]), f"{where}: {old}")
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str], used: set[str]) -> dict[str, Any]:
+    """Each `section.key=value` into `tree`, an old name to its current place (noted in `used`)."""
     for text in overrides:
         path, value = parse_override(text)
-        node = tree
-        for part in path[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"override {text!r}: {part!r} is a value, not a section")
-            node = child
-        node[path[-1]] = value
+        set_path(tree, current_name(path, value, used), value, f"override {text!r}")
     return tree
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
-    """The resolved config: defaults, then the YAML file, then the overrides."""
+    """The config as written: defaults, then the YAML file, then the overrides (`resolve` fills in the rest)."""
     tree: dict[str, Any] = {}
     if path is not None:
         try:
@@ -54,12 +116,35 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         tree = loaded or {}
-    tree = apply_overrides(tree, list(overrides))
+    used: set[str] = set()
+    move_legacy_names(tree, used, str(path))
+    tree = apply_overrides(tree, list(overrides), used)
+    for old in sorted(used, key=list(LEGACY_NAMES).index):
+        print(f"asyncrl: {old} is now {LEGACY_NAMES[old]} (the old name still works)", file=sys.stderr)
     try:
-        return msgspec.convert(tree, RunConfig, strict=False)
+        config = msgspec.convert(tree, RunConfig, strict=False)
     except msgspec.ValidationError as exc:
         where = f" in {path}" if path else ""
         raise ConfigError(f"invalid config{where}: {exc}") from exc
+    return config
+
+
+def resolve(config: RunConfig) -> RunConfig:
+    """Every automatic value made explicit, so config.yaml and `--dry-run` say what runs. Idempotent.
+
+    Called where a config is handed to workers (`prepare`, which writes config.yaml; `asyncrl worker`)
+    or shown (`--dry-run`), once the run directory is named.
+
+    broker.fetch_wait_ms 0 -> 20 ms when trainer.max_staleness is 0 (every hop is on the critical path of a
+    synchronous step), else 200 ms; trainer.checkpoint.weights_dir '' -> <runs_dir>/<name>/weights, absolute.
+    """
+    broker, trainer = config.broker, config.trainer
+    if not broker.fetch_wait_ms:
+        broker = replace(broker, fetch_wait_ms=20 if trainer.max_staleness == 0 else 200)
+    if not trainer.checkpoint.weights_dir:
+        weights_dir = str((Path(config.runs_dir) / config.name / "weights").resolve())
+        trainer = replace(trainer, checkpoint=replace(trainer.checkpoint, weights_dir=weights_dir))
+    return replace(config, broker=broker, trainer=trainer)
 
 
 def to_yaml(config: RunConfig) -> str:
@@ -70,20 +155,23 @@ def save_config(config: RunConfig, path: Path) -> None:
     path.write_text(to_yaml(config))
 
 
-def explain() -> str:
-    """Every field with its type, default and description, one per line."""
+RUN_DIR_NOTE = "# asyncrl run names the run directory <name>-<time>: paths below under <name> get that name\n"
+
+
+def explain(config: RunConfig) -> str:
+    """Every field of `config` with its value and description, one per line."""
     lines: list[str] = []
 
-    def walk(cls: type, prefix: str) -> None:
-        hints = typing.get_type_hints(cls, include_extras=True)
-        for field in msgspec.structs.fields(cls):
-            name = f"{prefix}{field.name}"
-            if isinstance(field.type, type) and issubclass(field.type, msgspec.Struct):
-                walk(field.type, f"{name}.")
+    def walk(section: msgspec.Struct, prefix: str) -> None:
+        hints = typing.get_type_hints(type(section), include_extras=True)
+        for field in msgspec.structs.fields(section):
+            name, value = f"{prefix}{field.name}", getattr(section, field.name)
+            if isinstance(value, msgspec.Struct):
+                walk(value, f"{name}.")
                 continue
             metas = getattr(hints[field.name], "__metadata__", ())
             description = next((m.description for m in metas if isinstance(m, msgspec.Meta)), "")
-            lines.append(f"{name} = {field.default!r}  # {description}")
+            lines.append(f"{name} = {value!r}  # {description}")
 
-    walk(RunConfig, "")
-    return "\n".join(lines)
+    walk(config, "")
+    return "\n".join(lines) + "\n"

@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from schemas.config import RunConfig
 from workers import builtin_task
-from workers.rollout.engine import Engine, SamplingParams
+from workers.rollout.engine import Engine
+from workers.rollout.protocol import SamplingParams, generate_all
 from workers.weights import load_into, read_version
 
 
@@ -25,7 +26,7 @@ def greedy_accuracy(
     """Mean score of greedy completions over rows {"prompt", "answer"}."""
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,))
     prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]
-    seqs = Engine(model, max_batch=max_batch).generate(prompts, params)
+    seqs = generate_all(Engine(model, max_batch=max_batch), prompts, params)
     texts = tokenizer.batch_decode([s.token_ids for s in seqs], skip_special_tokens=True)
     return sum(score_fn(text, row["answer"]) for text, row in zip(texts, rows)) / len(rows)
 

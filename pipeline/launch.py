@@ -24,7 +24,7 @@ from pathlib import Path
 
 import msgspec
 
-from pipeline.config import ConfigError, load_config, save_config
+from pipeline.config import ConfigError, load_config, resolve, save_config
 from schemas.config import RunConfig
 from workers import runtime
 
@@ -41,7 +41,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are processe
 def run_worker(role: str, config: RunConfig) -> None:
     """The body of `asyncrl worker <role>`: run until done or SIGTERM."""
     module = importlib.import_module(WORKER_MODULES[role])
-    runtime.run_until_stopped(lambda stop: module.main(config, stop))
+    runtime.run_until_stopped(lambda stop: module.main(resolve(config), stop))
 
 
 def _die_with_parent() -> None:
@@ -138,11 +138,12 @@ def prepare(config: RunConfig, progress: bool = True) -> tuple[RunConfig, Path]:
         from pipeline.demo_model import prepare_demo_model
 
         model_dir = prepare_demo_model(run_dir / "model", seed=config.seed, task_seed=config.seed,
-                                       steps=config.trainer.warmup_steps, progress=progress,
+                                       steps=config.model.warmup_steps, progress=progress,
                                        held_out=config.data.held_out)
         config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=str(model_dir)))
+    config = resolve(config)
     layout = runtime.topic_layout(config)  # every time: a broker may have lost its topics
-    asyncio.run(ensure_topics(runtime.bootstrap(config), layout.names, layout.partitions))
+    asyncio.run(ensure_topics(config.broker.bootstrap, layout.names, layout.partitions))
     save_config(config, config_path)
     return config, config_path
 

@@ -38,7 +38,8 @@ from schemas.messages import (
     WeightVersion,
     decode,
 )
-from topics.clients import SCHEMA_HEADER
+from topics.assembly import Attempt
+from topics.transport import SCHEMA_HEADER
 from topics.export import TopicsExport
 from topics.inspect import RawRecord, TopicOffsets, read_records
 from topics.names import BATCHES, PROMPTS, ROLES, SCORED, SEGMENTS, TopicLayout
@@ -174,20 +175,6 @@ def pretty(replayed: Replayed) -> str:
 
 
 @dataclass
-class Attempt:
-    attempt: str
-    segments: list[Segment]  # by segment index, duplicate deliveries removed
-
-    @property
-    def token_ids(self) -> list[int]:
-        return [token for segment in self.segments for token in segment.token_ids]
-
-    @property
-    def versions(self) -> list[int]:
-        return [segment.version for segment in self.segments for _ in segment.token_ids]
-
-
-@dataclass
 class TrajectoryReplay:
     trajectory_id: str
     attempts: list[Attempt]  # in the order they first appear on `segments`
@@ -202,14 +189,10 @@ async def load_trajectory(source: RunTopics, trajectory_id: str) -> TrajectoryRe
     """Every attempt of one trajectory from `segments`, and its `scored` record if any."""
     segments = [m for m in await _messages(source, SEGMENTS, Segment) if m.trajectory_id == trajectory_id]
     scored = [m for m in await _messages(source, SCORED, Scored) if m.trajectory_id == trajectory_id]
-    attempts: dict[str, dict[int, Segment]] = {}
-    for segment in segments:  # a producer may deliver twice: keep the first copy
-        attempts.setdefault(segment.attempt, {}).setdefault(segment.segment_index, segment)
-    return TrajectoryReplay(
-        trajectory_id,
-        [Attempt(name, [by_index[i] for i in sorted(by_index)]) for name, by_index in attempts.items()],
-        scored[0] if scored else None,
-    )
+    attempts: dict[str, Attempt[None]] = {}
+    for segment in segments:  # a producer may deliver twice: the attempt keeps the first copy
+        attempts.setdefault(segment.attempt, Attempt(trajectory_id, segment.attempt)).add(segment, None)
+    return TrajectoryReplay(trajectory_id, list(attempts.values()), scored[0] if scored else None)
 
 
 def render_trajectory(replay: TrajectoryReplay, decode_tokens: TokenDecoder) -> str:

@@ -21,7 +21,7 @@ from topics.inspect import RawRecord
 from workers import runtime
 from workers.trainer import checkpoint
 from workers.trainer.buffer import GroupBuffer
-from workers.trainer.worker import Trainer, checkpoints_dir
+from workers.trainer.model import Trainer, checkpoints_dir
 from workers.weights import read_version, version_path
 
 
@@ -65,13 +65,16 @@ def recorded_weights(config: RunConfig, step: int) -> tuple[Path, dict[str, torc
     if saved.exists():
         return saved, torch.load(saved, weights_only=False)["model"]
     raise RetrainError(f"version {step} is no longer on disk (neither {path} nor {saved}): "
-                       "raise trainer.keep_versions or trainer.keep_checkpoints to keep more")
+                       "raise trainer.checkpoint.keep_versions or trainer.checkpoint.keep to keep more")
 
 
-def retrain(config: RunConfig, step: int, manifests: list[BatchManifest], scored: dict[tuple[int, int], Scored]) -> Retrained:
+def retrain(
+    config: RunConfig, step: int, manifests: list[BatchManifest], scored: dict[tuple[int, int], Scored]
+) -> Retrained:
     by_step = {m.step: m for m in manifests}
     if step not in by_step:
-        raise RetrainError(f"no manifest of step {step} on `batches` (steps {min(by_step, default=0)}..{max(by_step, default=0)})")
+        recorded = f"steps {min(by_step, default=0)}..{max(by_step, default=0)}"
+        raise RetrainError(f"no manifest of step {step} on `batches` ({recorded})")
     start = checkpoint.newest(checkpoints_dir(config), before=step)
     compared_with, expected = recorded_weights(config, step)
     torch.set_num_threads(config.trainer.threads)  # as the trainer: the thread count changes the sums' order
@@ -82,7 +85,7 @@ def retrain(config: RunConfig, step: int, manifests: list[BatchManifest], scored
         raise RetrainError(f"steps {missing} have no manifest: cannot rebuild from step {first - 1}")
     for s in range(first, step + 1):
         stats = trainer.train(groups_of(by_step[s], scored))
-    weights = trainer.gather_weights()
+    weights = trainer.commands.gather_weights()
     diffs = {name: (weights[name] - tensor).abs().max().item() for name, tensor in expected.items() if name in weights}
     return Retrained(step, first - 1, len(by_step[step].trajectory_ids), stats, str(compared_with), diffs)
 
@@ -90,7 +93,8 @@ def retrain(config: RunConfig, step: int, manifests: list[BatchManifest], scored
 def render(result: Retrained) -> str:
     worst = max(result.max_abs_diff.items(), key=lambda item: item[1])
     verdict = "bitwise equal" if result.bitwise_equal else f"max |difference| {worst[1]:.3g} (in {worst[0]})"
-    rebuilt = f"steps {result.from_step + 1}..{result.step}" if result.from_step + 1 < result.step else f"step {result.step}"
+    first = result.from_step + 1
+    rebuilt = f"steps {first}..{result.step}" if first < result.step else f"step {result.step}"
     start = f"checkpoint of step {result.from_step}" if result.from_step else "the initial weights"
     return "\n".join([
         f"step {result.step}: {result.trajectories} trajectories; {rebuilt} retrained from {start}",
@@ -100,7 +104,9 @@ def render(result: Retrained) -> str:
     ])
 
 
-def load_record(batches: list[RawRecord], scored: list[RawRecord]) -> tuple[list[BatchManifest], dict[tuple[int, int], Scored]]:
+def load_record(
+    batches: list[RawRecord], scored: list[RawRecord]
+) -> tuple[list[BatchManifest], dict[tuple[int, int], Scored]]:
     """Manifests and scored trajectories from raw records (of a broker or an export); records that
     do not decode were dead-lettered by the trainer and never trained, so they are left out."""
     def decoded(records: list[RawRecord], cls):

@@ -1,6 +1,7 @@
 """`asyncrl slurm submit`: a whole run as one Slurm job, one `srun --exact` step per role.
 
-The job script is infra/slurm/pipeline.sbatch with this run's layout filled in:
+The job script is the template pipeline/templates/pipeline.sbatch (package data, so it
+ships in the wheel and the image) with this run's layout filled in:
 node 0 runs the broker (the embedded Tansu, unless broker.bootstrap names a Kafka),
 `asyncrl prepare`, the reward worker and the prompt source; the first
 --trainer-nodes nodes run the trainer ranks under torchrun; the other nodes run
@@ -19,6 +20,7 @@ Only the standard library is imported here: `asyncrl --help` builds this parser.
 from __future__ import annotations
 
 import argparse
+import importlib.resources
 import shlex
 import shutil
 import subprocess
@@ -31,7 +33,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from schemas.config import RunConfig
 
-TEMPLATE = Path(__file__).resolve().parents[1] / "infra" / "slurm" / "pipeline.sbatch"
+# package data ([tool.setuptools.package-data]): found the same way in a checkout, a wheel and the image
+TEMPLATE = importlib.resources.files("pipeline") / "templates" / "pipeline.sbatch"
 JOB_PORT = "$((20000 + 2 * (SLURM_JOB_ID % 20000)))"  # and + 1: per job, so that jobs sharing a node do not collide
 
 
@@ -48,10 +51,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     actions = slurm.add_subparsers(dest="action", required=True)
     submit = actions.add_parser(
         "submit", help="render the job script and sbatch it; prints the job id",
-        description="Render infra/slurm/pipeline.sbatch for this run and submit it with sbatch. "
-                    "runs_dir must be on a filesystem every node mounts. Resubmitting a run name "
-                    "resumes from its last checkpoint; that needs an external Kafka (broker.bootstrap), "
-                    "the embedded broker's topics end with its job.",
+        description="Render the job template (pipeline/templates/pipeline.sbatch, installed with the package) "
+                    "for this run and submit it with sbatch. runs_dir must be on a filesystem every node "
+                    "mounts. Resubmitting a run name resumes from its last checkpoint; that needs an external "
+                    "Kafka (broker.bootstrap), the embedded broker's topics end with its job.",
     )
     submit.add_argument("config", nargs="?", help="YAML run config (default: the built-in demo)")
     submit.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=100")
@@ -191,9 +194,10 @@ def render(path: str, overrides: list[str], config: RunConfig, args: argparse.Na
         raise SlurmError(f"{run_dir} is from an earlier job whose embedded broker took the run's topics with it; "
                          "resuming needs an external Kafka (broker.bootstrap=HOST:PORT), or use a new run name")
     try:
-        template = JobTemplate(TEMPLATE.read_text())
+        template = JobTemplate(TEMPLATE.read_text(encoding="utf-8"))
     except OSError as exc:
-        raise SlurmError(f"job template {TEMPLATE}: {exc.strerror} (asyncrl slurm runs from a source checkout)") from exc
+        raise SlurmError(f"job template {TEMPLATE}: {exc.strerror} (the asyncrl install lacks its package data; "
+                         "reinstall it)") from exc
     options = [f"--job-name=asyncrl-{config.name}", f"--nodes={layout.nodes}", "--ntasks-per-node=1",
                f"--cpus-per-task={cpus_per_node(config, layout, embedded)}", f"--output={run_dir}/slurm-%j.out"]
     if layout.gpus_per_node:

@@ -34,6 +34,9 @@ class BrokerConfig(Section):
 class ModelConfig(Section):
     path: Annotated[str, doc("local directory of a Hugging Face causal LM; empty = build the demo model")] = ""
     device: Annotated[str, doc("torch device for rollout and trainer: cpu, cuda, cuda:1 ...")] = "cpu"
+    warmup_steps: Annotated[
+        int, doc("demo only: at most this many supervised warm-up steps (it stops at ~16% accuracy)", ge=0)
+    ] = 150
 
 
 class DataConfig(Section):
@@ -67,20 +70,25 @@ class RewardConfig(Section):
     failure_reward: Annotated[float, doc("reward given when scoring raises or times out")] = 0.0
 
 
-class TrainerConfig(Section):
-    steps: Annotated[int, doc("optimizer steps; the run ends after the last one", ge=1)] = 600
-    threads: Annotated[int, doc("torch CPU threads of the trainer (of each rank)", ge=1)] = 1
-    ranks: Annotated[
-        int, doc("trainer processes on this machine, FSDP2 ranks under torchrun (gloo on CPU, NCCL on CUDA)", ge=1)
-    ] = 1
-    batch_groups: Annotated[int, doc("prompt groups per step (B)", ge=1)] = 8
-    max_staleness: Annotated[int, doc("eta: a group released at version v trains by version v + eta", ge=0)] = 4
-    objective: Annotated[
-        Literal["decoupled", "naive"], doc("decoupled PPO (pi_prox recomputed) or naive PPO (pi_prox = pi_behav)")
-    ] = "decoupled"
+class OptimConfig(Section):
+    """trainer.optim: the AdamW update of each minibatch."""
+
     lr: Annotated[float, doc("AdamW learning rate", gt=0)] = 1e-4
     weight_decay: Annotated[float, doc("AdamW weight decay", ge=0)] = 0.0
     grad_clip: Annotated[float, doc("max global gradient norm", gt=0)] = 1.0
+    minibatches: Annotated[int, doc("PPO minibatch updates per step", ge=1)] = 1
+
+
+class LossConfig(Section):
+    """trainer.loss: the advantages and the decoupled PPO objective (`workers.trainer.losses`)."""
+
+    objective: Annotated[
+        Literal["decoupled", "naive"], doc("decoupled PPO (pi_prox recomputed) or naive PPO (pi_prox = pi_behav)")
+    ] = "decoupled"
+    advantage: Annotated[
+        Literal["grpo", "drgrpo", "rloo"],
+        doc("advantage estimator: grpo (group mean/std), drgrpo (group mean, no std), rloo (leave-one-out mean)"),
+    ] = "grpo"
     clip_eps: Annotated[float, doc("PPO ratio clip epsilon", gt=0, lt=1)] = 0.2
     clip_eps_high: Annotated[
         float, doc("upper ratio clip epsilon (clip-higher): clip(r, 1-clip_eps, 1+clip_eps_high); 0 = clip_eps", ge=0)
@@ -96,41 +104,60 @@ class TrainerConfig(Section):
         Literal["token", "sequence"],
         doc("behaviour weight per token, or per sequence (product over its completion tokens, given to each token)"),
     ] = "token"
-    advantage: Annotated[
-        Literal["grpo", "drgrpo", "rloo"],
-        doc("advantage estimator: grpo (group mean/std), drgrpo (group mean, no std), rloo (leave-one-out mean)"),
-    ] = "grpo"
-    loss_aggregation: Annotated[
+    aggregation: Annotated[
         Literal["token_mean", "seq_mean", "token_sum_norm"],
         doc("token_mean: over all tokens of the minibatch; seq_mean: per sequence, then over sequences; "
             "token_sum_norm: token sum / (sequences * rollout.max_new_tokens), Dr.GRPO's (use with advantage=drgrpo)"),
     ] = "token_mean"
-    minibatches: Annotated[int, doc("PPO minibatch updates per step", ge=1)] = 1
-    microbatch: Annotated[
+    kl_coef: Annotated[
+        float,
+        doc("weight of a KL(pi_theta || pi_ref) penalty to the frozen initial model (k3 estimator); 0 = off", ge=0),
+    ] = 0.0
+
+
+class MicrobatchConfig(Section):
+    """trainer.microbatch: how a minibatch is cut into packed micro-batches (memory, not maths)."""
+
+    mode: Annotated[
         Literal["dynamic", "fixed"],
         doc("split of each minibatch into packed micro-batches: 'dynamic' under a token budget, 'fixed' count"),
     ] = "dynamic"
-    max_tokens_per_microbatch: Annotated[
+    max_tokens: Annotated[
         int,
         doc("dynamic: token budget (prompt + completion) of one packed micro-batch; a longer sequence goes alone. "
             "Activation memory grows with it (the logits alone are budget x vocabulary floats)", ge=1),
     ] = 1024
-    min_microbatches: Annotated[int, doc("dynamic: at least this many micro-batches per minibatch", ge=1)] = 1
-    microbatches_fixed: Annotated[
+    min_count: Annotated[int, doc("dynamic: at least this many micro-batches per minibatch", ge=1)] = 1
+    fixed_count: Annotated[
         int, doc("fixed: micro-batches per minibatch (contiguous, equal sequence counts)", ge=1)
     ] = 1
-    kl_coef: Annotated[
-        float, doc("weight of a KL(pi_theta || pi_ref) penalty to the frozen initial model (k3 estimator); 0 = off", ge=0)
-    ] = 0.0
-    checkpoint_every: Annotated[int, doc("steps between checkpoints", ge=1)] = 100
-    keep_checkpoints: Annotated[
+
+
+class CheckpointConfig(Section):
+    """trainer.checkpoint: what the trainer keeps on disk, and how often."""
+
+    every: Annotated[int, doc("steps between checkpoints", ge=1)] = 100
+    keep: Annotated[
         int, doc("checkpoints kept; `asyncrl replay retrain --step N` needs one from before step N", ge=1)
     ] = 2
     keep_versions: Annotated[int, doc("weight versions kept on shared storage", ge=2)] = 4
     weights_dir: Annotated[str, doc("shared storage for weights; empty = <run dir>/weights")] = ""
-    warmup_steps: Annotated[
-        int, doc("demo only: at most this many supervised warm-up steps (it stops at ~16% accuracy)", ge=0)
-    ] = 150
+
+
+class TrainerConfig(Section):
+    """The trainer's own loop; its sections hold the optimizer, the loss, micro-batching and checkpoints."""
+
+    steps: Annotated[int, doc("optimizer steps; the run ends after the last one", ge=1)] = 600
+    threads: Annotated[int, doc("torch CPU threads of the trainer (of each rank)", ge=1)] = 1
+    ranks: Annotated[
+        int, doc("trainer processes on this machine, FSDP2 ranks under torchrun (gloo on CPU, NCCL on CUDA)", ge=1)
+    ] = 1
+    batch_groups: Annotated[int, doc("prompt groups per step (B)", ge=1)] = 8
+    max_staleness: Annotated[int, doc("eta: a group released at version v trains by version v + eta", ge=0)] = 4
+    optim: OptimConfig = OptimConfig()
+    loss: LossConfig = LossConfig()
+    microbatch: MicrobatchConfig = MicrobatchConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
 
 class EvalConfig(Section):
@@ -192,5 +219,7 @@ class RunConfig(Section):
                 f"rollout.workers={self.rollout.workers} needs broker.partitions >= {self.rollout.workers} "
                 "(each rollout worker consumes its own partitions of `prompts`)"
             )
-        if self.trainer.minibatches > self.trainer.batch_groups * self.data.n_samples:
-            raise ValueError("trainer.minibatches cannot exceed the trajectories per step (batch_groups * n_samples)")
+        if self.trainer.optim.minibatches > self.trainer.batch_groups * self.data.n_samples:
+            raise ValueError(
+                "trainer.optim.minibatches cannot exceed the trajectories per step (trainer.batch_groups * data.n_samples)"
+            )

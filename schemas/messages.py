@@ -18,6 +18,23 @@ FinishReason = Literal["interrupted", "stop", "length", "error"]
 TERMINAL_REASONS: frozenset[str] = frozenset({"stop", "length", "error"})
 
 
+def trajectory_id(prompt_id: str, sample_index: int) -> str:
+    """The id of one sample of a prompt group: "<prompt_id>/<sample_index>" (prompt ids may hold '/')."""
+    return f"{prompt_id}/{sample_index}"
+
+
+def split_trajectory_id(trajectory: str) -> tuple[str, int]:
+    """(prompt id, sample index) of a trajectory id; ValueError for an id not made by `trajectory_id`."""
+    prompt_id, sep, sample = trajectory.rpartition("/")
+    if not sep or not prompt_id or not sample.isdigit():
+        raise ValueError(f"{trajectory!r} is not a trajectory id '<prompt_id>/<sample_index>'")
+    return prompt_id, int(sample)
+
+
+def prompt_id_of(trajectory: str) -> str:
+    return split_trajectory_id(trajectory)[0]
+
+
 class Message(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Base of every topic message."""
 
@@ -84,7 +101,7 @@ class WeightVersion(Message, kw_only=True):
 
     version: int  # trainer: number of optimizer steps behind these weights (0 = initial)
     uri: str  # trainer: path of the safetensors file on shared storage; rollout loads it
-    content_hash: str  # trainer: sha256 of the file; rollout verifies it
+    content_hash: str  # trainer: sha256 of the file; every reader verifies it before loading
     step: int  # trainer: the step that produced the version
     groups_consumed: int  # trainer: groups trained so far
     groups_dropped: int  # trainer: groups dropped so far; source: widens the staleness window

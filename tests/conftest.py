@@ -2,6 +2,9 @@
 
 Tests share the broker (it starts in ~0.1 s, but a group join costs seconds,
 so tests isolate themselves by topic name and group id, not by broker).
+
+Markers (declared in pyproject.toml, --strict-markers): every test under tests/e2e
+is marked `e2e` here; `gpu` tests are skipped here when CUDA is not available.
 """
 
 from __future__ import annotations
@@ -9,12 +12,32 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from topics.admin import ensure_topics
 from topics.broker import EmbeddedBroker
 from topics.names import TopicLayout
+
+E2E_DIR = Path(__file__).resolve().parent / "e2e"
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: `-m "not e2e"` must see these marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`e2e` on every test under tests/e2e; a skip on `gpu` tests where CUDA is not available."""
+    for item in items:
+        if item.path.resolve().is_relative_to(E2E_DIR):
+            item.add_marker(pytest.mark.e2e)
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_tests:
+        return  # torch is imported only when a gpu test was collected
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)")
+        for item in gpu_tests:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -19,15 +19,10 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListen
 from aiokafka.structs import RecordMetadata
 
 from schemas.messages import Message, encode
+from topics.transport import Headers, Key, key_bytes, record_headers
 
 # The largest record a client sends or accepts (a topic's max.message.bytes too).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-
-SCHEMA_HEADER = "schema"
-TRACEPARENT_HEADER = "traceparent"
-
-Key = str | int | bytes | None
-Headers = Mapping[str, str | bytes]
 
 _FETCH_LIMITS: dict[str, Any] = {
     "fetch_max_bytes": MAX_MESSAGE_BYTES,
@@ -66,14 +61,7 @@ async def send(
     The struct's name travels in the `schema` header, next to `headers`
     (e.g. the W3C `traceparent`).
     """
-    record_headers = [(SCHEMA_HEADER, type(message).__name__.encode())]
-    record_headers += [(name, _as_bytes(value)) for name, value in (headers or {}).items()]
-    return await producer.send(
-        topic,
-        encode(message),
-        key=None if key is None else _as_bytes(key),
-        headers=record_headers,
-    )
+    return await producer.send(topic, encode(message), key=key_bytes(key), headers=list(record_headers(message, headers)))
 
 
 async def send_and_wait(
@@ -86,11 +74,6 @@ async def send_and_wait(
 ) -> RecordMetadata:
     """`send`, then wait until the broker has the record."""
     return await (await send(producer, topic, message, key=key, headers=headers))
-
-
-def header(record: ConsumerRecord, name: str) -> str | None:
-    """The value of header `name` of a consumed record, decoded as UTF-8."""
-    return next((value.decode() for key, value in record.headers if key == name), None)
 
 
 def make_group_consumer(
@@ -162,8 +145,3 @@ async def _partitions_of(consumer: AIOKafkaConsumer, topic: str) -> list[int]:
         raise LookupError(f"topic {topic!r} does not exist (run ensure_topics first)")
     return sorted(consumer.partitions_for_topic(topic) or ())
 
-
-def _as_bytes(value: str | int | bytes) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    return str(value).encode()

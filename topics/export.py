@@ -26,7 +26,8 @@ from aiokafka import AIOKafkaProducer
 
 from topics.admin import ensure_topics
 from topics.clients import make_producer
-from topics.inspect import RawRecord, read_records, topic_offsets
+from topics.inspect import read_records, topic_offsets
+from topics.transport import RawRecord
 from topics.names import TopicLayout
 
 FORMAT_VERSION = 1

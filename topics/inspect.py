@@ -17,6 +17,7 @@ import msgspec
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
 from topics.clients import assigned_consumer
+from topics.transport import RawRecord
 
 _FETCH_WAIT_MS = 100
 
@@ -37,17 +38,6 @@ class TopicOffsets(msgspec.Struct, frozen=True):
     @property
     def count(self) -> int:
         return sum(offsets.count for offsets in self.partitions.values())
-
-
-class RawRecord(msgspec.Struct, kw_only=True):
-    """One stored record as the broker gave it, bytes untouched."""
-
-    partition: int
-    offset: int
-    timestamp: int  # milliseconds since the epoch
-    key: bytes | None
-    value: bytes | None
-    headers: list[tuple[str, bytes]]
 
 
 async def list_topic_names(bootstrap: str, prefix: str = "") -> list[str]:
@@ -124,11 +114,11 @@ async def _read_until(
             break
         fetched = await consumer.getmany(*pending, timeout_ms=200)
         for tp, batch in fetched.items():
-            records += [_raw(record) for record in batch if record.offset < ends[tp.partition]]
+            records += [raw_record(record) for record in batch if record.offset < ends[tp.partition]]
     return sorted(records, key=lambda record: (record.partition, record.offset))
 
 
-def _raw(record: ConsumerRecord) -> RawRecord:
+def raw_record(record: ConsumerRecord) -> RawRecord:
     return RawRecord(
         partition=record.partition,
         offset=record.offset,

@@ -7,7 +7,8 @@ spans as children, whatever process or host it runs on.
 
 from __future__ import annotations
 
-from aiokafka import ConsumerRecord
+from collections.abc import Iterable
+
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
@@ -20,7 +21,7 @@ def trace_headers(span: trace.Span | None = None) -> dict[str, str]:
     return carrier
 
 
-def context_of(record: ConsumerRecord) -> otel_context.Context:
-    """The trace context a record's producer sent along (an empty context if none)."""
-    carrier = {name: value.decode(errors="replace") for name, value in (record.headers or ())}
+def context_of_headers(headers: Iterable[tuple[str, bytes]] | None) -> otel_context.Context:
+    """The trace context a record's producer sent along in its headers (an empty context if none)."""
+    carrier = {name: value.decode(errors="replace") for name, value in (headers or ())}
     return propagate.extract(carrier)

@@ -15,15 +15,12 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from opentelemetry import trace
 from transformers import AutoTokenizer
 
 from schemas.config import RunConfig
 from schemas.messages import DeadLetter, PromptGroup, WeightVersion
-from topics.clients import assigned_consumer, make_producer, send_and_wait
-from topics.dead_letter import decode_or_dead_letter, send_dead_letter
-from topics.readers import read_topic
 from topics.tracing import trace_headers
+from topics.transport import Outbox, Transport, WeightsFollower
 from workers import builtin_task, runtime
 from workers.staleness import may_release
 
@@ -80,64 +77,77 @@ def epoch_order(n_rows: int, epoch: int, seed: int) -> list[int]:
     return order
 
 
-async def main(config: RunConfig, stop: asyncio.Event) -> None:
-    me = runtime.worker_id("prompts")
-    log = runtime.configure_logging(runtime.run_dir(config) / "logs" / f"{me}.jsonl")
-    layout, bootstrap = runtime.topic_layout(config), runtime.bootstrap(config)
-    runtime.configure_tracing(config, "prompts")
-    tracer = trace.get_tracer(__name__)
-    cfg = config.trainer
-    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-    rows, bad = load_rows(config)
-    released = [r.message for r in await read_topic(bootstrap, layout.name("prompts"), PromptGroup) if isinstance(r.message, PromptGroup)]
-    epoch, position = (0, 0)
-    if released:
-        last = max(released, key=lambda g: g.release_index)
-        epoch, position = last.epoch, epoch_order(len(rows), last.epoch, config.seed).index(last.row_index) + 1
-        if position == len(rows):
-            epoch, position = epoch + 1, 0
-    order = epoch_order(len(rows), epoch, config.seed)
-    n_released = len({g.prompt_id for g in released})
-    log.info("prompt source started", rows=len(rows), bad_rows=len(bad), already_released=n_released)
-    version = WeightVersion(version=0, uri="", content_hash="", step=0, groups_consumed=0, groups_dropped=0)
+class Cursor:
+    """Where the source is in the dataset: an epoch, and a position in that epoch's seeded order."""
 
-    async with (
-        make_producer(bootstrap) as producer,
-        assigned_consumer(bootstrap, layout.name("weights"), **runtime.consumer_settings(config)) as weights,
-    ):
+    def __init__(self, rows: list[Row], seed: int, epoch: int = 0, position: int = 0):
+        self.rows, self.seed, self.epoch, self.position = rows, seed, epoch, position
+        self.order = epoch_order(len(rows), epoch, seed)
+        if position == len(rows):
+            self._next_epoch()
+
+    @classmethod
+    def after(cls, rows: list[Row], seed: int, released: list[PromptGroup]) -> Cursor:
+        """Just past the last group already on `prompts` (a restart), or at the start."""
         if not released:
-            for row in bad:
-                await send_dead_letter(producer, layout.name("dead-letter"), DeadLetter(
-                    origin=me, source=config.data.source, reason=str(row), payload=row.text.encode(), offset=row.line))
+            return cls(rows, seed)
+        last = max(released, key=lambda g: g.release_index)
+        return cls(rows, seed, last.epoch, epoch_order(len(rows), last.epoch, seed).index(last.row_index) + 1)
+
+    def take(self) -> tuple[Row, int]:
+        """The next row and its epoch; moves on."""
+        row, epoch = self.rows[self.order[self.position]], self.epoch
+        self.position += 1
+        if self.position == len(self.rows):
+            self._next_epoch()
+        return row, epoch
+
+    def _next_epoch(self) -> None:
+        self.epoch, self.position = self.epoch + 1, 0
+        self.order = epoch_order(len(self.rows), self.epoch, self.seed)
+
+
+INITIAL = WeightVersion(version=0, uri="", content_hash="", step=0, groups_consumed=0, groups_dropped=0)
+
+
+async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | None = None) -> None:
+    ctx = runtime.WorkerContext.start(config, "prompts", transport)
+    cfg, tokenizer = config.trainer, AutoTokenizer.from_pretrained(config.model.path)
+    rows, bad = load_rows(config)
+    released = [r.message for r in await ctx.transport.read_all("prompts", PromptGroup)
+                if isinstance(r.message, PromptGroup)]
+    cursor, n_released = Cursor.after(rows, config.seed, released), len({g.prompt_id for g in released})
+    ctx.log.info("prompt source started", rows=len(rows), bad_rows=len(bad), already_released=n_released)
+    async with ctx.transport.outbox() as outbox, ctx.transport.weights_follower(outbox, origin=ctx.id) as inbox:
+        weights = WeightsFollower(inbox)
+        for row in bad if not released else ():
+            await outbox.dead_letter(DeadLetter(origin=ctx.id, source=config.data.source, reason=str(row),
+                                                payload=row.text.encode(), offset=row.line))
         if not rows:
             raise SystemExit(f"{config.data.source}: no usable rows (each bad row is on dead-letter)")
-        while not stop.is_set() and epoch < config.data.epochs:
-            for records in (await weights.getmany(timeout_ms=0 if n_released == 0 else 100)).values():
-                for record in records:
-                    announced = await decode_or_dead_letter(record, WeightVersion, producer, dead_letter_topic=layout.name("dead-letter"), origin=me)
-                    if announced and (announced.version, announced.groups_dropped) > (version.version, version.groups_dropped):
-                        version = announced
+        version = INITIAL
+        while not stop.is_set() and cursor.epoch < config.data.epochs:
+            version = await weights.poll(0 if n_released == 0 else 0.1) or INITIAL
             if version.final:
                 break
             needed = cfg.steps * cfg.batch_groups + version.groups_dropped  # no group released that cannot be trained
-            while n_released < needed and may_release(n_released, version.version, cfg.batch_groups, cfg.max_staleness, version.groups_dropped):
-                row = rows[order[position]]
-                group = PromptGroup(
+            while (n_released < needed and cursor.epoch < config.data.epochs
+                   and may_release(n_released, version.version, cfg.batch_groups, cfg.max_staleness,
+                                   version.groups_dropped)):
+                row, epoch = cursor.take()
+                await release(ctx, outbox, PromptGroup(
                     prompt_id=f"e{epoch}-r{row.index}", row_index=row.index, epoch=epoch, release_index=n_released,
                     released_at_version=version.version, prompt_text=row.prompt,
                     prompt_tokens=tokenizer(row.prompt)["input_ids"], answer=row.answer, metadata=row.metadata,
-                    n_samples=config.data.n_samples,
-                )
-                with tracer.start_as_current_span("release prompt", attributes={
-                    "asyncrl.prompt_id": group.prompt_id, "asyncrl.release_index": n_released,
-                    "asyncrl.version": version.version,
-                }):
-                    await send_and_wait(producer, layout.name("prompts"), group, key=group.prompt_id, headers=trace_headers())
+                    n_samples=config.data.n_samples))
                 n_released += 1
-                position += 1
-                if position == len(rows):
-                    epoch, position = epoch + 1, 0
-                    if epoch >= config.data.epochs:
-                        break
-                    order = epoch_order(len(rows), epoch, config.seed)
-        log.info("prompt source finished", released=n_released, version=version.version)
+        ctx.log.info("prompt source finished", released=n_released, version=version.version)
+
+
+async def release(ctx: runtime.WorkerContext, outbox: Outbox, group: PromptGroup) -> None:
+    """One group on `prompts`, delivered, in a new trace: every span of its journey descends from this one."""
+    with ctx.tracer.start_as_current_span("release prompt", attributes={
+        "asyncrl.prompt_id": group.prompt_id, "asyncrl.release_index": group.release_index,
+        "asyncrl.version": group.released_at_version,
+    }):
+        await outbox.send_now("prompts", group, key=group.prompt_id, headers=trace_headers())

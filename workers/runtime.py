@@ -1,4 +1,8 @@
-"""What every worker process shares: its run directory, JSON logs, metrics, clean stop."""
+"""What every worker process shares: its context (id, logs, traces, metrics, transport), clean stop.
+
+`WorkerContext.start(config, role)` is the first line of every worker's `main`;
+the rest of the loop sees only the context.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +13,18 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import structlog
+from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from schemas.config import RunConfig
 from topics.names import TopicLayout
+from topics.transport import Transport
 
 
 def run_dir(config: RunConfig) -> Path:
@@ -24,7 +32,9 @@ def run_dir(config: RunConfig) -> Path:
 
 
 def weights_dir(config: RunConfig) -> Path:
-    return Path(config.trainer.weights_dir) if config.trainer.weights_dir else run_dir(config) / "weights"
+    if not config.trainer.checkpoint.weights_dir:
+        raise ValueError("the config is not resolved: its weights dir is empty (pipeline.config.resolve fills it)")
+    return Path(config.trainer.checkpoint.weights_dir)
 
 
 def worker_id(role: str) -> str:
@@ -43,7 +53,6 @@ def configure_logging(log_path: Path) -> structlog.stdlib.BoundLogger:
     root = logging.getLogger()
     root.handlers[:] = [handler, stderr]
     root.setLevel(logging.INFO)
-    logging.getLogger("aiokafka").setLevel(logging.WARNING)
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,
@@ -150,13 +159,38 @@ def topic_layout(config: RunConfig) -> TopicLayout:
     return TopicLayout(config.broker.topic_prefix, config.broker.partitions)
 
 
-def consumer_settings(config: RunConfig) -> dict:
-    """What every worker's consumers share: the fetch wait (`broker.fetch_wait_ms`, resolved)."""
-    wait = config.broker.fetch_wait_ms or (20 if config.trainer.max_staleness == 0 else 200)
-    return {"fetch_max_wait_ms": wait}
+def kafka_transport(config: RunConfig) -> Transport:
+    """The run's broker, as the config names it (a resolved config: `pipeline.config.resolve`)."""
+    from topics.kafka import KafkaTransport
 
-
-def bootstrap(config: RunConfig) -> str:
     if not config.broker.bootstrap:
         raise ValueError("broker.bootstrap is empty: a worker needs a running broker (asyncrl run starts one)")
-    return config.broker.bootstrap
+    return KafkaTransport(config.broker.bootstrap, topic_layout(config), config.broker.fetch_wait_ms)
+
+
+@dataclass
+class WorkerContext:
+    """Built once per worker process: who it is, where it writes, how it talks to the others."""
+
+    config: RunConfig
+    role: str
+    id: str  # '<role>-<host>-<pid>'
+    log: structlog.stdlib.BoundLogger
+    tracer: trace.Tracer
+    transport: Transport
+
+    @classmethod
+    def start(cls, config: RunConfig, role: str, transport: Transport | None = None) -> WorkerContext:
+        """Logging into <run dir>/logs/<id>.jsonl, tracing, and the transport (Kafka unless one is given)."""
+        me = worker_id(role)
+        log = configure_logging(run_dir(config) / "logs" / f"{me}.jsonl")
+        configure_tracing(config, role)
+        return cls(config, role, me, log, trace.get_tracer(f"asyncrl.{role}"), transport or kafka_transport(config))
+
+    @property
+    def run_dir(self) -> Path:
+        return run_dir(self.config)
+
+    def metrics(self) -> MetricsWriter:
+        """This worker's lines in the run's metrics.jsonl."""
+        return MetricsWriter(self.run_dir / "metrics.jsonl", self.role)

@@ -1,13 +1,16 @@
 """Weights on shared storage: written whole, made visible by atomic rename, then announced.
 
 Tied parameters (e.g. embeddings shared with the LM head) are stored once; loading
-restores them through the module, since both names point at one tensor.
+restores them through the module, since both names point at one tensor. The
+announced hash is the file's sha256; every reader checks it (`verify`) before it
+loads a version, so a torn or corrupted file is refused, never half-loaded.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,18 +29,51 @@ def unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
+@dataclass(frozen=True)
+class WeightsFile:
+    """One weight version on shared storage: what every engine's `update_weights` takes."""
+
+    path: Path  # a safetensors file written by `write_version`
+    version: int  # the trainer version the file holds
+
+
+class WeightsError(ValueError):
+    """A weight file that is missing or does not match its announced hash."""
+
+
+def file_hash(path: Path) -> str:
+    """sha256 of a file, read in chunks (a version can be many GB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        while chunk := stream.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify(path: str | Path, expected_hash: str, version: int) -> WeightsFile:
+    """The version's file, once its sha256 is the announced one; WeightsError otherwise (also when it is gone)."""
+    path = Path(path)
+    try:
+        actual = file_hash(path)
+    except FileNotFoundError:
+        raise WeightsError(f"weights v{version}: {path} does not exist (deleted, or storage not shared)") from None
+    if actual != expected_hash:
+        raise WeightsError(f"weights v{version}: {path} has sha256 {actual[:16]}..., announced {expected_hash[:16]}...")
+    return WeightsFile(path, version)
+
+
 def version_path(weights_dir: Path, version: int) -> Path:
     return weights_dir / f"v{version:06d}.safetensors"
 
 
 def write_version(tensors: dict[str, torch.Tensor], weights_dir: Path, version: int, keep: int) -> tuple[Path, str]:
     """Write the whole weights (`unique_state_dict`, or FSDP2's gathered `full_state_dict`) as version
-    `version`, atomically; delete all but the newest `keep`. Returns (path, hash)."""
+    `version`, atomically; delete all but the newest `keep`. Returns (path, sha256)."""
     weights_dir.mkdir(parents=True, exist_ok=True)
     final = version_path(weights_dir, version)
     partial = final.with_suffix(".partial")
     save_file(tensors, str(partial), metadata={"version": str(version)})
-    digest = hashlib.blake2b(partial.read_bytes(), digest_size=16).hexdigest()
+    digest = file_hash(partial)
     os.replace(partial, final)
     for old in sorted(weights_dir.glob("v*.safetensors"))[:-keep]:
         old.unlink(missing_ok=True)

@@ -13,7 +13,8 @@ few running to the limit, where static batching idles on the stragglers) and fix
 request at the limit, where static batching wastes nothing).
 
 It also prints what an interruption costs here (`step_costs`): a decode step at 1, 16
-and `concurrency` rows, and the re-prefill of a full batch after a weight update.
+and `concurrency` rows, and a weight update of a full batch (interrupt, load the
+weights file in place, and the step that re-prefills every sequence).
 
 Speedups compare the fastest wall-clock run of each system. Each run also records the
 process CPU time it took, and `speedup_vs_hf_cpu` compares those: on a machine shared
@@ -38,7 +39,9 @@ from tqdm import tqdm
 
 from pipeline.bench import machine
 from pipeline.demo_model import build_model, build_tokenizer
-from workers.rollout.engine import Engine, SamplingParams
+from workers.rollout.engine import Engine
+from workers.rollout.protocol import SamplingParams
+from workers.weights import WeightsFile, unique_state_dict, write_version
 
 PROMPT_LENGTHS = (4, 16)  # uniform, inclusive: the demo task's prompts are this short
 TAIL_MEDIAN_FRACTION = 1 / 8  # long-tailed lengths: median at 1/8 of the limit...
@@ -76,7 +79,7 @@ def run_engine(model, prompts: list[list[int]], lengths: list[int], s: Settings,
     engine = Engine(model, max_batch=s.concurrency, seed=s.seed)
     start, cpu = time.perf_counter(), time.process_time()
     seqs = [engine.submit(str(i), p, SamplingParams(temperature=s.temperature, max_new_tokens=n))
-            for i, (p, n) in enumerate(zip(prompts, lengths))]
+            for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
     steps = 0
     while not engine.idle():
         bar.update(sum(len(seq.token_ids) for seq in engine.step()))
@@ -84,8 +87,8 @@ def run_engine(model, prompts: list[list[int]], lengths: list[int], s: Settings,
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     if [len(seq.token_ids) for seq in seqs] != lengths:
         raise RuntimeError("engine produced other lengths than requested")
-    return {"seconds": round(seconds, 3), "cpu_seconds": round(cpu, 3), "tokens_per_s": round(sum(lengths) / seconds, 1),
-            "steps": steps, "forward": type(engine.forward).__name__}
+    return {"seconds": round(seconds, 3), "cpu_seconds": round(cpu, 3),
+            "tokens_per_s": round(sum(lengths) / seconds, 1), "steps": steps, "forward": type(engine.forward).__name__}
 
 
 def run_hf(model, prompts: list[list[int]], lengths: list[int], s: Settings, bar: tqdm) -> dict:
@@ -106,19 +109,19 @@ def run_hf(model, prompts: list[list[int]], lengths: list[int], s: Settings, bar
         generated += len(chunk) * longest
         bar.update(sum(wanted))
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    return {"seconds": round(seconds, 3), "cpu_seconds": round(cpu, 3), "tokens_per_s": round(sum(lengths) / seconds, 1),
-            "generated_tokens": generated, "useful_fraction": round(sum(lengths) / generated, 3)}
+    return {"seconds": round(seconds, 3), "cpu_seconds": round(cpu, 3),
+            "tokens_per_s": round(sum(lengths) / seconds, 1), "generated_tokens": generated,
+            "useful_fraction": round(sum(lengths) / generated, 3)}
 
 
 def step_costs(model, prompts: list[list[int]], lengths: list[int], s: Settings) -> dict:
-    """Milliseconds of a decode step by batch size, and of the step after a weight update, which
-    re-prefills every running sequence (best of `repeats`): the two sides of interruption."""
-    def best_ms(engine: Engine, before=lambda: None) -> float:
+    """Milliseconds of a decode step by batch size, and of a weight update mid-run (best of `repeats`):
+    the two sides of interruption."""
+    def best_ms(run) -> float:
         times = []
         for _ in range(max(3, s.repeats)):
-            before()
             start = time.perf_counter()
-            engine.step()
+            run()
             times.append(1000 * (time.perf_counter() - start))
         return round(min(times), 2)
 
@@ -129,14 +132,22 @@ def step_costs(model, prompts: list[list[int]], lengths: list[int], s: Settings)
         for i in range(rows):
             engine.submit(str(i), prompts[i % len(prompts)], params)
         engine.step()  # the prefill
-        decode[rows] = best_ms(engine)
+        decode[rows] = best_ms(engine.step)
     engine = Engine(model, max_batch=s.concurrency, seed=s.seed)  # mid-run: contexts of many lengths
-    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+    for i, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
         engine.submit(str(i), prompt, SamplingParams(temperature=s.temperature, max_new_tokens=n))
     for _ in range(s.max_new_tokens // 2):
         engine.step()
-    weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    reprefill = best_ms(engine, lambda: engine.update_weights(weights, engine.version + 1))
+    with tempfile.TemporaryDirectory() as tmp:  # the trainer's part, written once, untimed
+        path, _ = write_version(unique_state_dict(model), Path(tmp), engine.version + 1, keep=1)
+        weights = WeightsFile(path, engine.version + 1)
+
+        def update() -> None:  # timed: interrupt(), reading the file and loading it in place, the re-prefill step
+            engine.interrupt()
+            engine.update_weights(weights)
+            engine.step()
+
+        reprefill = best_ms(update)
     return {"decode_step_ms": decode, "reprefill_ms": reprefill, "reprefill_rows": len(engine.slots),
             "reprefill_context_mean": round(sum(map(len, engine.slots)) / max(1, len(engine.slots)), 1)}
 
@@ -221,8 +232,8 @@ def table(report: dict) -> str:
     costs = report["step_costs"]
     decode = costs["decode_step_ms"]
     lines.append("decode step: " + ", ".join(f"{rows} rows {ms:.2f} ms" for rows, ms in decode.items())
-                 + f"; after a weight update, re-prefilling {costs['reprefill_rows']} sequences "
-                 f"({costs['reprefill_context_mean']} tokens on average): {costs['reprefill_ms']:.1f} ms "
+                 + f"; a weight update (interrupt, load the file, re-prefilling {costs['reprefill_rows']} sequences "
+                 f"of {costs['reprefill_context_mean']} tokens on average): {costs['reprefill_ms']:.1f} ms "
                  f"= {costs['reprefill_ms'] / decode[max(decode)]:.1f} decode steps of {max(decode)} rows")
     return "\n".join(lines)
 

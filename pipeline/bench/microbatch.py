@@ -48,8 +48,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from pipeline.bench import machine
 from pipeline.bench.generate import TAIL_MEDIAN_FRACTION, TAIL_SIGMA, long_tailed_lengths, summary
+from workers.trainer.losses import LossSettings
 from workers.trainer.microbatch import allocate_fixed, allocator
-from workers.trainer.step import collate, train_step
+from workers.trainer.step import StepSettings, collate, train_step
 
 MODES = ("dynamic", "fixed")
 PROMPT_LENGTHS = (16, 64)  # uniform, inclusive; completions fill the rest up to --max-length
@@ -153,11 +154,11 @@ def measure(s: Settings, mode: str, count: int) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     data = workload(s)
     batches = [collate(sequences, advantages, pad_id=0, device=s.device) for sequences, advantages in data]
-    split = allocator(mode, s.budget, 1, count)
+    settings = StepSettings(decoupled=True, minibatches=1, grad_clip=1.0, temperature=1.0,
+                            loss=LossSettings(clip_eps=0.2), split=allocator(mode, s.budget, 1, count))
 
     def step(batch) -> dict:
-        return train_step(model, optimizer, batch, decoupled=True, minibatches=1, grad_clip=1.0, temperature=1.0,
-                          split=split, clip_eps=0.2)
+        return train_step(model, optimizer, batch, settings)
 
     step(batches[0])
     memory = PeakMemory(s.device)

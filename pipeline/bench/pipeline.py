@@ -69,10 +69,10 @@ def window_rates(lines: list[dict], warmup_steps: int) -> dict:
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     runs_dir = out.parent / "pipeline-runs"
-    common = [f"runs_dir={runs_dir}", f"trainer.steps={args.steps}", "trainer.warmup_steps=0", "eval.every=0",
+    common = [f"runs_dir={runs_dir}", f"trainer.steps={args.steps}", "model.warmup_steps=0", "eval.every=0",
               f"rollout.max_new_tokens={args.max_new_tokens}", f"trainer.batch_groups={args.batch_groups}",
               f"data.n_samples={args.n_samples}", f"seed={args.seed}", "telemetry.sample_ratio=0",
-              f"trainer.lr={args.lr}", *args.overrides]
+              f"trainer.optim.lr={args.lr}", *args.overrides]
     results = {}
     for name, overrides in VARIANTS.items():
         print(f"== {name}: {' '.join(overrides)}", flush=True)

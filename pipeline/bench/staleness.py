@@ -64,7 +64,7 @@ class Setting:
     seed: int
 
     def overrides(self) -> list[str]:
-        return [f"trainer.max_staleness={self.eta}", f"trainer.objective={self.objective}", f"seed={self.seed}",
+        return [f"trainer.max_staleness={self.eta}", f"trainer.loss.objective={self.objective}", f"seed={self.seed}",
                 f"name=staleness-{self.objective}-eta{self.eta}-seed{self.seed}"]
 
 
@@ -92,7 +92,7 @@ def build_models(configs: dict[Setting, RunConfig], models_dir: Path, progress: 
         if not config.model.path and config.seed not in built:
             built[config.seed] = str(prepare_demo_model(
                 models_dir / f"seed{config.seed}", seed=config.seed, task_seed=config.seed,
-                steps=config.trainer.warmup_steps, progress=progress, held_out=config.data.held_out))
+                steps=config.model.warmup_steps, progress=progress, held_out=config.data.held_out))
     return built
 
 
@@ -183,7 +183,7 @@ def plot(report: dict, path: Path) -> None:
     etas = sorted({*PLOT_ETAS, *(r["eta"] for r in rows)})
     colours = plt.get_cmap("viridis")
     fig, axes = plt.subplots(1, len(OBJECTIVES), figsize=(12, 4.8), sharey=True)
-    for ax, objective in zip(axes, OBJECTIVES):
+    for ax, objective in zip(axes, OBJECTIVES, strict=True):
         for eta in sorted({r["eta"] for r in rows}):
             runs = [r for r in rows if r["objective"] == objective and r["eta"] == eta]
             if not runs:
@@ -191,7 +191,7 @@ def plot(report: dict, path: Path) -> None:
             colour = colours(etas.index(eta) / max(len(etas) - 1, 1) * 0.9)
             if len(runs) > 1:
                 for r in runs:
-                    ax.plot(*zip(*r["curve"]), color=colour, alpha=0.25, linewidth=0.8)
+                    ax.plot(*zip(*r["curve"], strict=True), color=colour, alpha=0.25, linewidth=0.8)
             ax.plot(*mean_curve(runs), color=colour, linewidth=2, marker="o", markersize=3, label=f"η = {eta}")
         ax.set_title(f"{objective} PPO" + (" (π_prox = π_behav)" if objective == "naive" else " (π_prox recomputed)"))
         ax.set_xlabel("trainer step")

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ROLES = {"prompts", "rollout", "reward", "trainer"}
 STEPS, GROUPS, SAMPLES = 6, 2, 4
 SMALL_RUN = [f"trainer.steps={STEPS}", f"trainer.batch_groups={GROUPS}", f"data.n_samples={SAMPLES}",
-             "trainer.warmup_steps=0"]
+             "model.warmup_steps=0"]
 COMPOSE_BOOTSTRAP, SHARED = "kafka:9092", "/shared"
 
 

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from schemas.messages import BatchManifest, PromptGroup, Scored, Segment, WeightVersion
+from schemas.messages import BatchManifest, PromptGroup, Scored, Segment, WeightVersion, prompt_id_of
 from topics.export import load_export
+from topics.assembly import Attempt
 from topics.readers import read_topic
 
 pytestmark = pytest.mark.e2e
@@ -26,7 +27,7 @@ STEPS, GROUPS, SAMPLES = 10, 4, 4
 # max_new_tokens and new weights arrive while many are in flight.
 SMALL_RUN = [
     f"trainer.steps={STEPS}", f"trainer.batch_groups={GROUPS}", f"data.n_samples={SAMPLES}",
-    "trainer.warmup_steps=0", "rollout.max_new_tokens=40", "eval.every=0", "trainer.checkpoint_every=5",
+    "model.warmup_steps=0", "rollout.max_new_tokens=40", "eval.every=0", "trainer.checkpoint.every=5",
 ]
 
 
@@ -78,20 +79,12 @@ async def test_async_pipeline_end_to_end(broker, tmp_path, unique_name):
     # interruption happened: some trained trajectory holds tokens of two versions
     assert any(len(set(s.versions)) > 1 for [(_, s)] in trained.values())
     # every released group was trained or recorded as dropped with a reason
-    trained_groups = {tid.rsplit("/", 1)[0] for tid in trained}
+    trained_groups = {prompt_id_of(tid) for tid in trained}
     dropped = {d.prompt_id: d.reason for m in manifests for d in m.dropped}
     assert all(reason for reason in dropped.values())
     assert set(released) == trained_groups | set(dropped)
 
-    # the segments behind the trained tokens carry the same versions, segment by segment
-    segments = [r.message for r in await read(broker.bootstrap, prefix + "segments", Segment)]
-    by_attempt = {}
-    for seg in segments:
-        by_attempt.setdefault((seg.trajectory_id, seg.attempt), {})[seg.segment_index] = seg
-    for trajectory_id, [(_, scored)] in trained.items():
-        parts = by_attempt[(trajectory_id, scored.attempt)]
-        assert [v for i in sorted(parts) for v in [parts[i].version] * len(parts[i].token_ids)] == scored.versions
-
+    await check_segments_behind(trained, broker.bootstrap, prefix)
     weights = [r.message for r in await read(broker.bootstrap, prefix + "weights", WeightVersion)]
     assert max(w.version for w in weights) == STEPS and any(w.final for w in weights)
 
@@ -103,12 +96,24 @@ async def test_async_pipeline_end_to_end(broker, tmp_path, unique_name):
         assert (run_dir / artifact).exists(), artifact
     assert {p.name.split("-")[0] for p in (run_dir / "logs").glob("*.jsonl")} == {"trainer", "reward", "rollout", "prompts"}
 
-    # one trace follows a trained prompt through every worker, carried in the message headers
+    check_one_trace_per_prompt(run_dir, prompt_id_of(next(iter(trained))))
+
+
+async def check_segments_behind(trained: dict, bootstrap: str, prefix: str) -> None:
+    """The segments behind the trained tokens carry the same versions, segment by segment."""
+    attempts: dict[tuple[str, str], Attempt] = {}
+    for seg in (r.message for r in await read(bootstrap, prefix + "segments", Segment)):
+        attempts.setdefault((seg.trajectory_id, seg.attempt), Attempt(seg.trajectory_id, seg.attempt)).add(seg, None)
+    for trajectory_id, [(_, scored)] in trained.items():
+        assert attempts[(trajectory_id, scored.attempt)].versions == scored.versions
+
+
+def check_one_trace_per_prompt(run_dir: Path, trained_prompt: str) -> None:
+    """One trace follows a trained prompt through every worker, carried in the message headers."""
     spans = [json.loads(line) for line in (run_dir / "traces.jsonl").read_text().splitlines()]
     by_trace = {}
     for span in spans:
         by_trace.setdefault(span["context"]["trace_id"], []).append(span)
-    trained_prompt = next(iter(trained)).rsplit("/", 1)[0]
     [release] = [s for s in spans if s["name"] == "release prompt" and s["attributes"]["asyncrl.prompt_id"] == trained_prompt]
     journey = by_trace[release["context"]["trace_id"]]
     services = {s["resource"]["attributes"]["service.name"] for s in journey}
@@ -210,7 +215,7 @@ async def test_trainer_killed_mid_run_trains_everything_exactly_once(broker, tmp
     assert sorted(m.step for m in manifests) == list(range(1, steps + 1))  # no step written twice or skipped
     assert all(len(uses) == 1 for uses in trained.values()) and len(trained) == steps * GROUPS * SAMPLES
     dropped = {d.prompt_id for m in manifests for d in m.dropped}
-    assert set(released) == {tid.rsplit("/", 1)[0] for tid in trained} | dropped
+    assert set(released) == {prompt_id_of(tid) for tid in trained} | dropped
     weights = [r.message for r in await read(broker.bootstrap, prefix + "weights", WeightVersion)]
     assert max(w.version for w in weights) == steps
     summary = json.loads(Path(run_dir, "summary.json").read_text())

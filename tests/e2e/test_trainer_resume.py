@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from pipeline.config import load_config, save_config
+from pipeline.config import load_config, resolve, save_config
 from schemas.messages import BatchManifest, PromptGroup, Scored, WeightVersion
 from topics.admin import ensure_topics
 from topics.clients import make_producer, send
@@ -75,11 +75,11 @@ def write_config(tmp_path: Path, model_dir: Path, bootstrap: str, name: str) -> 
         f"name={name}", f"runs_dir={tmp_path / 'runs'}", f"model.path={model_dir}",
         f"broker.bootstrap={bootstrap}", f"broker.topic_prefix={name}.", "broker.partitions=1",
         f"trainer.steps={STEPS}", f"trainer.batch_groups={GROUPS}", f"data.n_samples={SAMPLES}",
-        f"trainer.checkpoint_every={CHECKPOINT_EVERY}", "trainer.minibatches=2", "trainer.lr=1e-2",
-        "trainer.max_tokens_per_microbatch=24", "trainer.kl_coef=0.05", "trainer.max_staleness=4",
+        f"trainer.checkpoint.every={CHECKPOINT_EVERY}", "trainer.optim.minibatches=2", "trainer.optim.lr=1e-2",
+        "trainer.microbatch.max_tokens=24", "trainer.loss.kl_coef=0.05", "trainer.max_staleness=4",
     ]
     path = tmp_path / f"{name}.yaml"
-    save_config(load_config(None, overrides), path)
+    save_config(resolve(load_config(None, overrides)), path)  # as `asyncrl prepare` writes a run's config.yaml
     return path
 
 

@@ -11,25 +11,35 @@ import sys
 from functools import partial
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from workers.trainer.distributed import close_distributed, distributed_train_step, full_state_dict, init_distributed, shard_model
+from workers.trainer.distributed import (
+    ONE_PROCESS,
+    ProcessGroupCollective,
+    close_distributed,
+    full_state_dict,
+    init_distributed,
+    shard_model,
+)
+from workers.trainer.losses import LossSettings
 from workers.trainer.microbatch import allocate_dynamic
-from workers.trainer.step import collate, train_step
+from workers.trainer.step import StepSettings, collate, train_step
 from workers.weights import unique_state_dict
 
 # (prompt, completion) lengths: 30 tokens on one rank, 31 on the other; under a 16-token budget
 # rank 0 has one micro-batch and rank 1 two, so rank 0 pads with a filler micro-batch
 SHAPES = [(10, 20), (2, 2), (1, 3), (3, 2), (1, 2), (2, 4), (3, 1), (4, 1)]
+GRAD_CLIP = 0.05
+OPTIONS = dict(grad_clip=GRAD_CLIP, temperature=0.9, split=partial(allocate_dynamic, max_tokens=16),
+               loss=LossSettings(clip_eps=0.2, behaviour_weight_cap=1.5, behaviour_weight_mode="mask"))
 CASES = {  # 8 minibatches of one row: rank 1 has no rows and runs fillers only
-    "naive, whole batch": dict(decoupled=False, minibatches=1),
-    "decoupled, 2 minibatches": dict(decoupled=True, minibatches=2),
-    "decoupled, 8 minibatches": dict(decoupled=True, minibatches=8),
+    "naive, whole batch": StepSettings(decoupled=False, minibatches=1, **OPTIONS),
+    "decoupled, 2 minibatches": StepSettings(decoupled=True, minibatches=2, **OPTIONS),
+    "decoupled, 8 minibatches": StepSettings(decoupled=True, minibatches=8, **OPTIONS),
 }
-OPTIONS = dict(grad_clip=0.05, temperature=0.9, split=partial(allocate_dynamic, max_tokens=16),
-               clip_eps=0.2, behaviour_weight_cap=1.5, behaviour_weight_mode="mask")
 
 
 def make_model() -> Qwen2ForCausalLM:
@@ -50,9 +60,9 @@ def make_batch():
     return collate(sequences, torch.randn(len(SHAPES), generator=g).tolist(), pad_id=0)
 
 
-def train(step, model, case):
+def train(model, settings, ranks=ONE_PROCESS):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return step(model, optimizer, make_batch(), **case, **OPTIONS)
+    return train_step(model, optimizer, make_batch(), settings, ranks)
 
 
 def run_ranks(out: Path) -> None:
@@ -61,9 +71,9 @@ def run_ranks(out: Path) -> None:
     init_distributed()
     try:
         results = {}
-        for name, case in CASES.items():
+        for name, settings in CASES.items():
             model = shard_model(make_model())
-            stats = train(distributed_train_step, model, case)
+            stats = train(model, settings, ProcessGroupCollective())
             grads = {key: p.grad.full_tensor() for key, p in model.named_parameters()}  # the last minibatch's, clipped
             results[name] = stats, full_state_dict(model), grads
         if dist.get_rank() == 0:
@@ -72,17 +82,18 @@ def run_ranks(out: Path) -> None:
         close_distributed()
 
 
+@pytest.mark.slow  # two torchrun ranks and a reference run: ~18 s on 2 cores
 def test_two_fsdp_ranks_match_one_process(tmp_path):
     out = tmp_path / "ranks.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                     __file__, str(out)], check=True, timeout=120, env=env)
     results = torch.load(out)
-    for name, case in CASES.items():
+    for name, settings in CASES.items():
         model = make_model()
-        want = train(train_step, model, case)
+        want = train(model, settings)
         got, weights, grads = results[name]
-        assert want["grad_norm"] > OPTIONS["grad_clip"], name  # clipping took effect
+        assert want["grad_norm"] > GRAD_CLIP, name  # clipping took effect
         for key in ("loss", "grad_norm", "entropy", "clip_fraction", "ratio_mean", "prox_behav_abs_diff"):
             assert abs(got[key] - want[key]) <= 1e-5, (name, key, got[key], want[key])
         for key, p in model.named_parameters():  # AdamW's first step hardly depends on the gradient's scale

@@ -3,7 +3,7 @@
 import asyncio
 import json
 
-from pipeline.config import load_config
+from pipeline.config import load_config, resolve
 from pipeline.demo_model import build_tokenizer
 from schemas.messages import DeadLetter, PromptGroup, WeightVersion
 from topics.clients import make_producer, send_and_wait
@@ -46,11 +46,11 @@ async def test_rows_window_and_restart(broker, topic_layout, tmp_path):
     data = tmp_path / "rows.jsonl"
     data.write_text("\n".join(ROWS) + "\n")
     tokenizer = build_tokenizer(tmp_path / "model")
-    config = load_config(None, [
+    config = resolve(load_config(None, [
         f"runs_dir={tmp_path}", "name=src", f"data.source={data}", "data.reward=math", f"model.path={tmp_path / 'model'}",
         f"broker.bootstrap={broker.bootstrap}", f"broker.topic_prefix={topic_layout.prefix}",
         "trainer.batch_groups=2", "trainer.max_staleness=0", "trainer.steps=3", "data.n_samples=3",
-    ])
+    ]))
 
     # version 0, eta 0: exactly one batch (2 groups) may be out
     first = await run_source_until(config, lambda: released(broker.bootstrap, topic_layout, 2))

@@ -2,7 +2,7 @@
 
 import asyncio
 
-from pipeline.config import load_config
+from pipeline.config import load_config, resolve
 from pipeline.demo_model import build_tokenizer
 from schemas.messages import PromptGroup, Scored, Segment
 from topics.clients import make_producer, send
@@ -18,10 +18,10 @@ def segment(tokenizer, trajectory, attempt, index, version, text, reason, group=
 
 async def test_segments_become_one_scored_trajectory_each(broker, topic_layout, tmp_path):
     tokenizer = build_tokenizer(tmp_path / "model")
-    config = load_config(None, [
+    config = resolve(load_config(None, [
         f"runs_dir={tmp_path}", "name=rw", f"model.path={tmp_path / 'model'}", "data.n_samples=2",
         f"broker.bootstrap={broker.bootstrap}", f"broker.topic_prefix={topic_layout.prefix}",
-    ])
+    ]))
     group = PromptGroup(prompt_id="e0-r1", row_index=1, epoch=0, release_index=0, released_at_version=3,
                         prompt_text="47+8=", prompt_tokens=tokenizer("47+8=")["input_ids"], answer="55", n_samples=2)
     messages = [

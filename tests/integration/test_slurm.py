@@ -34,7 +34,7 @@ from topics.export import load_export
 from topics.readers import read_topic
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL_RUN = ["trainer.batch_groups=2", "data.n_samples=4", "trainer.warmup_steps=0"]
+SMALL_RUN = ["trainer.batch_groups=2", "data.n_samples=4", "model.warmup_steps=0"]
 FINAL_STATES = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
                 "DEADLINE", "PREEMPTED"}
 WORKER_DONE = {"prompts": "prompt source finished", "rollout": "rollout finished",
@@ -280,6 +280,7 @@ def assert_workers_stopped_cleanly(run_dir: Path, job_id: str) -> None:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_a_run_on_the_embedded_broker_completes(slurm_cluster, tmp_path):
     """Trainer and rollout on a fake GPU each, the broker as a step of its own; the run ends with its trainer."""
     steps, runs = 3, tmp_path / "runs"
@@ -308,11 +309,12 @@ def test_a_run_on_the_embedded_broker_completes(slurm_cluster, tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_scancel_stops_every_step_and_a_resubmission_resumes(slurm_cluster, broker, tmp_path, unique_name):
     """On an external broker: scancel once the trainer has a checkpoint, then the same run name again."""
     steps, runs, prefix = 12, tmp_path / "runs", unique_name("slurm") + "."
     arguments = [f"--shared={runs}", "name=resumed", f"broker.bootstrap={broker.bootstrap}",
-                 f"broker.topic_prefix={prefix}", f"trainer.steps={steps}", "trainer.checkpoint_every=2", *SMALL_RUN]
+                 f"broker.topic_prefix={prefix}", f"trainer.steps={steps}", "trainer.checkpoint.every=2", *SMALL_RUN]
     done = submit(*arguments, env=slurm_cluster.env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     job_id, run_dir = done.stdout.strip(), runs / "resumed"

@@ -6,7 +6,16 @@ from dataclasses import replace
 
 import pytest
 
-from pipeline.bench.microbatch import PROMPT_LENGTHS, Settings, batch_lengths, check, fixed_count, summarize, table, workload
+from pipeline.bench.microbatch import (
+    PROMPT_LENGTHS,
+    Settings,
+    batch_lengths,
+    check,
+    fixed_count,
+    summarize,
+    table,
+    workload,
+)
 from pipeline.cli import main
 
 SETTINGS = Settings(sequences=64, steps=3, max_length=512, budget=1024, hidden_size=64, layers=1, vocab_size=128,

@@ -39,10 +39,10 @@ def test_options_override_seeds_and_steps():
 
 
 def test_each_run_config_sets_its_eta_objective_and_seed_over_the_demo():
-    configs = staleness.run_configs(staleness.QUICK, ["trainer.steps=600", "trainer.lr=3e-4", "runs_dir=/tmp/x"])
+    configs = staleness.run_configs(staleness.QUICK, ["trainer.steps=600", "trainer.optim.lr=3e-4", "runs_dir=/tmp/x"])
     config = configs[Setting(4, "naive", 0)]
-    assert (config.trainer.max_staleness, config.trainer.objective, config.seed) == (4, "naive", 0)
-    assert config.trainer.batch_groups == 8 and config.trainer.lr == 3e-4  # the demo's, then the common overrides
+    assert (config.trainer.max_staleness, config.trainer.loss.objective, config.seed) == (4, "naive", 0)
+    assert config.trainer.batch_groups == 8 and config.trainer.optim.lr == 3e-4  # the demo's, then the common overrides
     assert len({c.name for c in configs.values()}) == 4
 
 

@@ -6,11 +6,25 @@ fallback over the slot cache): they must give the same results.
 
 import pytest
 import torch
-from transformers import (GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (
+    GemmaConfig,
+    GemmaForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from workers.rollout import engine as engine_module
-from workers.rollout.engine import DirectForward, Engine, HFForward, SamplingParams
+from workers.rollout.engine import DirectForward, Engine, HFForward
+from workers.rollout.protocol import SamplingParams, generate_all
+from workers.weights import WeightsFile, write_version
 
 torch.set_num_threads(1)
 
@@ -42,6 +56,12 @@ def perturbed(model: Qwen2ForCausalLM) -> dict[str, torch.Tensor]:
             for k, v in model.state_dict().items()}
 
 
+def as_version(tensors: dict[str, torch.Tensor], weights_dir, version: int) -> WeightsFile:
+    """`tensors` written as the file every engine's update_weights takes."""
+    path, _ = write_version(tensors, weights_dir, version, keep=1)
+    return WeightsFile(path, version)
+
+
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
@@ -50,8 +70,8 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 def test_greedy_matches_hf_generate(model, forward):
-    seqs = Engine(model, forward=forward).generate(PROMPTS, GREEDY)
-    for prompt, seq in zip(PROMPTS, seqs):
+    seqs = generate_all(Engine(model, forward=forward), PROMPTS, GREEDY)
+    for prompt, seq in zip(PROMPTS, seqs, strict=True):
         assert seq.token_ids == hf_greedy(model, prompt, GREEDY.max_new_tokens)
         assert seq.finish_reason == "length" and seq.versions == [0] * GREEDY.max_new_tokens
 
@@ -67,7 +87,7 @@ def full_forward_logits(model, seq) -> torch.Tensor:
 @pytest.mark.parametrize("top_p,top_k", [(1.0, 0), (0.7, 0), (1.0, 3), (0.8, 4)])
 def test_behaviour_logprobs_match_full_forward(model, forward, top_p, top_k):
     params = SamplingParams(temperature=1.0, top_p=top_p, max_new_tokens=10, top_k=top_k)
-    seqs = Engine(model, seed=0, forward=forward).generate(PROMPTS, params)
+    seqs = generate_all(Engine(model, seed=0, forward=forward), PROMPTS, params)
     for seq in seqs:
         logp = torch.log_softmax(full_forward_logits(model, seq), -1)  # [new, V], unfiltered
         want = logp.gather(-1, torch.tensor(seq.token_ids)[:, None]).squeeze(-1)  # [new]
@@ -76,9 +96,9 @@ def test_behaviour_logprobs_match_full_forward(model, forward, top_p, top_k):
 
 @pytest.mark.parametrize("top_p", [1.0, 0.5])
 def test_top_k_one_is_greedy(model, top_p):
-    greedy = Engine(model).generate(PROMPTS, GREEDY)
+    greedy = generate_all(Engine(model), PROMPTS, GREEDY)
     params = SamplingParams(temperature=1.5, top_p=top_p, top_k=1, max_new_tokens=12)
-    sampled = Engine(model, seed=0).generate(PROMPTS, params)
+    sampled = generate_all(Engine(model, seed=0), PROMPTS, params)
     assert [s.token_ids for s in sampled] == [s.token_ids for s in greedy]
     assert all(lp < 0 for s in sampled for lp in s.logprobs)  # still the full tempered distribution, not 1
 
@@ -103,18 +123,18 @@ def test_top_k_is_per_sequence_and_bounds_every_draw(model):
 
 def test_seed_reproducible(model):
     params = SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=8)
-    a = Engine(model, seed=3).generate(PROMPTS, params)
-    b = Engine(model, seed=3).generate(PROMPTS, params)
+    a = generate_all(Engine(model, seed=3), PROMPTS, params)
+    b = generate_all(Engine(model, seed=3), PROMPTS, params)
     assert [s.token_ids for s in a] == [s.token_ids for s in b]
 
 
-def test_interruption_continues_like_fresh_engine_with_new_weights(model, forward):
+def test_interruption_continues_like_fresh_engine_with_new_weights(model, forward, tmp_path):
     engine = Engine(model, version=0, forward=forward)
     seqs = [engine.submit(f"s{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
     for _ in range(5):
         engine.step()
     new_weights = perturbed(model)
-    engine.update_weights(new_weights, version=1)
+    engine.update_weights(as_version(new_weights, tmp_path, 1))
     late = engine.submit("late", [2], GREEDY)  # prefilled in the same forward as the recomputed ones
     while not engine.idle():
         engine.step()
@@ -122,19 +142,20 @@ def test_interruption_continues_like_fresh_engine_with_new_weights(model, forwar
     fresh = Engine(tiny_model(0), version=1, forward=forward)
     fresh.model.load_state_dict(new_weights)
     for seq in seqs:
-        ref = fresh.generate([seq.prompt_ids + seq.token_ids[:5]], SamplingParams(temperature=0.0, max_new_tokens=7))[0]
+        rest = SamplingParams(temperature=0.0, max_new_tokens=7)
+        ref = generate_all(fresh, [seq.prompt_ids + seq.token_ids[:5]], rest)[0]
         assert seq.token_ids[5:] == ref.token_ids
         assert seq.versions == [0] * 5 + [1] * 7
-    assert late.token_ids == fresh.generate([late.prompt_ids], GREEDY)[0].token_ids and set(late.versions) == {1}
-    old = Engine(tiny_model(0)).generate(PROMPTS, GREEDY)
-    assert any(s.token_ids != o.token_ids for s, o in zip(seqs, old))  # the update did change the policy
+    assert late.token_ids == generate_all(fresh, [late.prompt_ids], GREEDY)[0].token_ids and set(late.versions) == {1}
+    old = generate_all(Engine(tiny_model(0)), PROMPTS, GREEDY)
+    assert any(s.token_ids != o.token_ids for s, o in zip(seqs, old, strict=True))  # the update did change the policy
 
 
-def test_re_prefill_is_chunked_by_length_and_changes_nothing(model, monkeypatch):
+def test_re_prefill_is_chunked_by_length_and_changes_nothing(model, monkeypatch, tmp_path):
     """After an interruption, contexts of 3 to 40 tokens are re-prefilled in chunks of similar widths
     (padding each to the longest would cost several times the real tokens), with the same tokens."""
     prompts = [[1, 2, 3], [4, 5, 6, 7], [2] * 12, [3] * 20, [5] * 40]
-    new_weights = perturbed(model)
+    new_weights = as_version(perturbed(model), tmp_path, 1)
 
     def run(spread: float) -> tuple[list[int], list[list[int]]]:
         monkeypatch.setattr(engine_module, "PREFILL_SPREAD", spread)
@@ -142,7 +163,7 @@ def test_re_prefill_is_chunked_by_length_and_changes_nothing(model, monkeypatch)
         for i, prompt in enumerate(prompts):
             engine.submit(f"s{i}", prompt, GREEDY)
         engine.step()
-        engine.update_weights(new_weights, version=1)
+        engine.update_weights(new_weights)
         widths, forward = [], engine.forward
         engine.forward = lambda batch: widths.append(batch.width) or forward(batch)
         for _ in range(3):
@@ -157,7 +178,7 @@ def test_re_prefill_is_chunked_by_length_and_changes_nothing(model, monkeypatch)
 
 
 def test_admission_mid_flight_does_not_change_others(model, forward):
-    alone = Engine(model, forward=forward).generate(PROMPTS[:2], GREEDY)
+    alone = generate_all(Engine(model, forward=forward), PROMPTS[:2], GREEDY)
     engine = Engine(model, forward=forward)
     first = [engine.submit(f"a{i}", p, GREEDY) for i, p in enumerate(PROMPTS[:2])]
     engine.step()
@@ -190,7 +211,7 @@ def test_slots_are_reused_and_the_cache_allocated_once(model, forward):
         if engine.waiting:  # a finished sequence's slot is refilled at the very next step
             assert used == 2
     assert slot_steps == sum(lengths)  # every slot-step produced a token: no slot idled, none held a finished sequence
-    for seq, n in zip(seqs, lengths):
+    for seq, n in zip(seqs, lengths, strict=True):
         assert seq.token_ids == hf_greedy(model, seq.prompt_ids, n)
 
 
@@ -211,7 +232,7 @@ def test_other_architectures_match_hf_generate(family):
                                  **extra)).eval()
     engine = Engine(model)
     assert isinstance(engine.forward, forward_cls)
-    for prompt, seq in zip(PROMPTS, engine.generate(PROMPTS, GREEDY)):
+    for prompt, seq in zip(PROMPTS, generate_all(engine, PROMPTS, GREEDY), strict=True):
         assert seq.token_ids == hf_greedy(model, prompt, GREEDY.max_new_tokens)
 
 
@@ -219,7 +240,7 @@ def test_hf_fallback_without_rotary_or_grouped_heads():
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_embd=64, n_layer=2, n_head=4, n_positions=128,
                                        bos_token_id=0, eos_token_id=0)).eval()
-    for prompt, seq in zip(PROMPTS, Engine(model).generate(PROMPTS, GREEDY)):
+    for prompt, seq in zip(PROMPTS, generate_all(Engine(model), PROMPTS, GREEDY), strict=True):
         assert seq.token_ids == hf_greedy(model, prompt, GREEDY.max_new_tokens)
 
 
@@ -233,7 +254,7 @@ def test_sliding_window_models_are_refused():
 
 def test_finish_reasons_and_max_batch(model, forward):
     engine = Engine(model, max_batch=2, forward=forward)
-    free = Engine(model).generate([PROMPTS[1]], GREEDY)[0].token_ids
+    free = generate_all(Engine(model), [PROMPTS[1]], GREEDY)[0].token_ids
     stop_at = free[3]
     first_stop = free.index(stop_at)
     stop_params = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=(stop_at,))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from workers.trainer.advantages import ESTIMATORS, drgrpo_advantages, grpo_advantages, rloo_advantages
-from workers.trainer.losses import decoupled_ppo_loss
+from workers.trainer.losses import LossSettings, decoupled_ppo_loss
 
 
 def logs(*probs: float) -> torch.Tensor:
@@ -16,7 +16,8 @@ def logs(*probs: float) -> torch.Tensor:
 def loss_of(theta, prox, behav, adv, mask=None, cap=0.0):
     adv = torch.tensor([adv], dtype=torch.float64)
     mask = torch.ones_like(adv) if mask is None else torch.tensor([mask], dtype=torch.float64)
-    return decoupled_ppo_loss(logs(*theta), logs(*prox), logs(*behav), adv, mask, clip_eps=0.2, behaviour_weight_cap=cap)
+    settings = LossSettings(clip_eps=0.2, behaviour_weight_cap=cap)
+    return decoupled_ppo_loss(logs(*theta), logs(*prox), logs(*behav), adv, mask, settings)
 
 
 def test_positive_advantage_is_clipped_above():
@@ -54,7 +55,7 @@ def test_decoupled_equals_standard_ppo_when_prox_is_behaviour():
     theta = behav + torch.randn(4, 6, dtype=torch.float64) * 0.3
     adv = torch.randn(4, 1, dtype=torch.float64).expand(4, 6)
     mask = (torch.rand(4, 6) > 0.2).double()
-    loss, _ = decoupled_ppo_loss(theta, behav, behav, adv, mask, clip_eps=0.2)
+    loss, _ = decoupled_ppo_loss(theta, behav, behav, adv, mask, LossSettings(clip_eps=0.2))
     ratio = torch.exp(theta - behav)
     standard = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
     assert loss.item() == pytest.approx(((standard * mask).sum() / mask.sum()).item(), abs=1e-12)
@@ -62,7 +63,8 @@ def test_decoupled_equals_standard_ppo_when_prox_is_behaviour():
 
 def test_gradient_flows_only_through_theta():
     theta = logs(0.6).requires_grad_(True)
-    loss, _ = decoupled_ppo_loss(theta, logs(0.5), logs(0.5), torch.ones(1, 1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64), 0.2)
+    one = torch.ones(1, 1, dtype=torch.float64)
+    loss, _ = decoupled_ppo_loss(theta, logs(0.5), logs(0.5), one, one, LossSettings(clip_eps=0.2))
     loss.backward()
     # d/dtheta of -exp(theta - prox) * A at r = 1.2 (inside the clip range) = -1.2
     assert theta.grad.item() == pytest.approx(-1.2)
@@ -78,15 +80,18 @@ def test_grpo_advantages_by_hand():
     assert adv.sum(dim=1).tolist() == pytest.approx([0.0, 0.0, 0.0], abs=1e-5)
 
 
+CLIP_HIGHER = LossSettings(clip_eps=0.2, clip_eps_high=0.28)
+
+
 def test_clip_higher_moves_only_the_upper_bound():
     # r = 1.4, A = 2: clipped at 1 + 0.28 -> -1.28 * 2 = -2.56
     loss, stats = decoupled_ppo_loss(logs(0.7), logs(0.5), logs(0.5), torch.tensor([[2.0]], dtype=torch.float64),
-                                     torch.ones(1, 1, dtype=torch.float64), clip_eps=0.2, clip_eps_high=0.28)
+                                     torch.ones(1, 1, dtype=torch.float64), CLIP_HIGHER)
     assert loss.item() == pytest.approx(-2.56)
     assert stats["clip_fraction"] == 1.0
     # r = 0.5/0.7 = 0.714, A = -1: the lower bound stays 1 - 0.2: min(-0.714, -0.8) = -0.8 -> loss 0.8
     loss, _ = decoupled_ppo_loss(logs(0.5), logs(0.7), logs(0.7), -torch.ones(1, 1, dtype=torch.float64),
-                                 torch.ones(1, 1, dtype=torch.float64), clip_eps=0.2, clip_eps_high=0.28)
+                                 torch.ones(1, 1, dtype=torch.float64), CLIP_HIGHER)
     assert loss.item() == pytest.approx(0.8)
 
 
@@ -98,7 +103,8 @@ THETA, PROX, BEHAV = [[0.55, 0.33], [0.55, 0.55]], [[0.5, 0.3], [0.5, 0.5]], [[0
 def weighted(**options):
     table = lambda rows: torch.tensor(rows, dtype=torch.float64).log()  # noqa: E731
     ones = torch.ones(2, 2, dtype=torch.float64)
-    return decoupled_ppo_loss(table(THETA), table(PROX), table(BEHAV), ones, ones, clip_eps=0.2, **options)
+    settings = LossSettings(clip_eps=0.2, **options)
+    return decoupled_ppo_loss(table(THETA), table(PROX), table(BEHAV), ones, ones, settings)
 
 
 @pytest.mark.parametrize(
@@ -137,9 +143,10 @@ AGG_MASK = torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=torch.float64)
 AGG_ADV = torch.tensor([[1.0, 1.0], [-4.0, -4.0]], dtype=torch.float64)
 
 
-def aggregated(rows=slice(None), **options):
+def aggregated(rows=slice(None), totals=None, **options):
     zeros = torch.zeros(2, 2, dtype=torch.float64)[rows]
-    return decoupled_ppo_loss(zeros, zeros, zeros, AGG_ADV[rows], AGG_MASK[rows], clip_eps=0.2, **options)[0].item()
+    settings = LossSettings(clip_eps=0.2, **options)
+    return decoupled_ppo_loss(zeros, zeros, zeros, AGG_ADV[rows], AGG_MASK[rows], settings, totals)[0].item()
 
 
 @pytest.mark.parametrize(
@@ -183,20 +190,23 @@ def test_a_group_of_one_sample_has_no_signal_under_any_estimator():
     assert set(ESTIMATORS) == {"grpo", "drgrpo", "rloo"}
 
 
+KL = LossSettings(clip_eps=0.2, kl_coef=0.1)
+
+
 def test_kl_penalty_to_reference_by_hand():
     # two tokens, A = 0 (no policy term): p_theta = 0.5, 0.2; p_ref = 0.25, 0.2
     # k3 = q/p - log(q/p) - 1: 0.5 - log 0.5 - 1 = 0.193147..., and 0 where they agree
     theta, ref = logs(0.5, 0.2), logs(0.25, 0.2)
     zero = torch.zeros(1, 2, dtype=torch.float64)
     mask = torch.ones(1, 2, dtype=torch.float64)
-    loss, stats = decoupled_ppo_loss(theta, theta, theta, zero, mask, clip_eps=0.2, kl_coef=0.1, ref_logp=ref)
+    loss, stats = decoupled_ppo_loss(theta, theta, theta, zero, mask, KL, ref_logp=ref)
     expected_kl = (0.5 - math.log(0.5) - 1) / 2  # token mean over the two tokens
     assert stats["kl_ref"] == pytest.approx(expected_kl)
     assert loss.item() == pytest.approx(0.1 * expected_kl)
     # its gradient pulls log pi_theta towards the reference: d/dlogp (exp(ref-logp) - (ref-logp) - 1) = 1 - q/p
     theta = theta.clone().requires_grad_(True)
-    decoupled_ppo_loss(theta, theta.detach(), theta.detach(), zero, mask, clip_eps=0.2, kl_coef=0.1, ref_logp=ref)[0].backward()
+    decoupled_ppo_loss(theta, theta.detach(), theta.detach(), zero, mask, KL, ref_logp=ref)[0].backward()
     assert theta.grad[0, 0].item() == pytest.approx(0.1 * (1 - 0.5) / 2)
     assert theta.grad[0, 1].item() == pytest.approx(0.0)
     with pytest.raises(ValueError, match="ref_logp"):
-        decoupled_ppo_loss(theta, theta, theta, zero, mask, clip_eps=0.2, kl_coef=0.1)
+        decoupled_ppo_loss(theta, theta, theta, zero, mask, KL)

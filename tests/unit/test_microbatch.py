@@ -7,8 +7,9 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from workers.trainer.losses import LossSettings
 from workers.trainer.microbatch import allocate_dynamic, allocate_fixed, allocator
-from workers.trainer.step import collate, token_logprobs, train_step
+from workers.trainer.step import StepSettings, collate, token_logprobs, train_step
 
 torch.set_num_threads(1)
 
@@ -18,19 +19,19 @@ def test_dynamic_by_hand():
     # i1 -> new [1] (fewer than 2 exist); i3 -> new [3]; i5: 9+6, 7+6 > 12 -> new [5]
     # i0 (5): fits [3] (12) and [5] (11), both hold 1 sequence -> the first opened, [3, 0]
     # i2 (3): fits [1] (12) and [5] (9), both hold 1 -> [1, 2]; i4 (2): fits only [5] (8) -> [5, 4]
-    assert allocate_dynamic([5, 9, 3, 7, 2, 6], max_tokens=12, min_microbatches=2) == [[1, 2], [3, 0], [5, 4]]
+    assert allocate_dynamic([5, 9, 3, 7, 2, 6], max_tokens=12, min_count=2) == [[1, 2], [3, 0], [5, 4]]
 
 
 def test_dynamic_prefers_fewest_sequences_over_fewest_tokens():
     # 4(i0) -> [0]; 3(i4) -> [4] (min 2); 1(i1): both fit, 1 sequence each -> [0, 1] (5 tokens)
     # 1(i2): both fit; [4] holds fewer sequences (though 3 < 5 tokens too) -> [4, 2]
     # 1(i3): both fit, 2 sequences each -> the first opened, [0, 1, 3]
-    assert allocate_dynamic([4, 1, 1, 1, 3], max_tokens=8, min_microbatches=2) == [[0, 1, 3], [4, 2]]
+    assert allocate_dynamic([4, 1, 1, 1, 3], max_tokens=8, min_count=2) == [[0, 1, 3], [4, 2]]
 
 
 def test_dynamic_edge_cases():
     assert allocate_dynamic([10, 3], max_tokens=8) == [[0], [1]]  # too long for the budget: alone
-    assert allocate_dynamic([2, 2], max_tokens=100, min_microbatches=3) == [[0], [1]]  # never an empty one
+    assert allocate_dynamic([2, 2], max_tokens=100, min_count=3) == [[0], [1]]  # never an empty one
     assert allocate_dynamic([2, 2, 2], max_tokens=4) == [[0, 1], [2]]  # equal lengths keep index order
     assert allocate_dynamic([], max_tokens=4) == []
 
@@ -81,10 +82,11 @@ def test_fixed_and_dynamic_both_train_and_agree(model):
         trained[name] = copy.deepcopy(model)
         optimizer = torch.optim.AdamW(trained[name].parameters(), lr=1e-2)
         for _ in range(2):
-            stats = train_step(trained[name], optimizer, batch, decoupled=True, minibatches=2, grad_clip=1.0,
-                               temperature=1.0, split=split, clip_eps=0.2)
+            settings = StepSettings(decoupled=True, minibatches=2, grad_clip=1.0, temperature=1.0,
+                                    loss=LossSettings(clip_eps=0.2), split=split)
+            stats = train_step(trained[name], optimizer, batch, settings)
         after = (token_logprobs(trained[name], batch, 1.0) * batch.loss_mask * batch.advantages).sum().item()
         assert after > before  # advantage-weighted log-likelihood went up
         assert stats["microbatches"] == 2  # lengths 5+5 and 8+2 exceed 9 (dynamic); 3 asked of 2 sequences (fixed)
-    for got, want in zip(trained["dynamic"].parameters(), trained["fixed"].parameters()):
+    for got, want in zip(trained["dynamic"].parameters(), trained["fixed"].parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)  # the same update, however it is split

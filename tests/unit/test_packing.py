@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from workers.trainer.losses import decoupled_ppo_loss
+from workers.trainer.losses import LossSettings, decoupled_ppo_loss
 from workers.trainer.microbatch import allocator
 from workers.trainer.packing import pack
 from workers.trainer.step import accumulate_gradients, collate, token_logprobs
@@ -72,7 +72,7 @@ LOSS_OPTIONS = [  # caps that hit some tokens / sequences of the batch below (it
 
 @pytest.mark.parametrize("options", LOSS_OPTIONS, ids=[o["aggregation"] for o in LOSS_OPTIONS])
 def test_packed_microbatched_gradients_equal_padded(options):
-    loss_options = dict(clip_eps=0.2, clip_eps_high=0.28, max_new_tokens=8, **options)
+    settings = LossSettings(clip_eps=0.2, clip_eps_high=0.28, max_new_tokens=8, **options)
     padded_model = tiny_qwen2()
     packed_model = copy.deepcopy(padded_model)
     batch = collate(*random_sequences(8, seed=1), pad_id=0)
@@ -83,12 +83,12 @@ def test_packed_microbatched_gradients_equal_padded(options):
     assert len(split(batch.attention_mask.sum(-1).tolist())) >= 3  # really several packed micro-batches
 
     logp = padded_logprobs(padded_model, batch)
-    want, _ = decoupled_ppo_loss(logp, prox, batch.behav_logp, batch.advantages, batch.loss_mask, **loss_options)
+    want, _ = decoupled_ppo_loss(logp, prox, batch.behav_logp, batch.advantages, batch.loss_mask, settings)
     want.backward()
-    stats, _ = accumulate_gradients(packed_model, batch, prox, split, 1.0, **loss_options)
+    stats, _ = accumulate_gradients(packed_model, batch, prox, split, 1.0, settings)
 
     assert stats["loss"] == pytest.approx(want.item(), abs=1e-5)
     assert 0 < stats["behaviour_weight_over_cap"] < 1 and 0 < stats["clip_fraction"] < 1  # the options are in play
-    for (name, got), wanted in zip(packed_model.named_parameters(), padded_model.parameters()):
+    for (name, got), wanted in zip(packed_model.named_parameters(), padded_model.parameters(), strict=True):
         torch.testing.assert_close(got.grad, wanted.grad, rtol=0, atol=1e-5, msg=name)
 

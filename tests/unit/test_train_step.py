@@ -6,11 +6,12 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from workers.trainer.losses import decoupled_ppo_loss
-from workers.trainer.step import collate, token_logprobs, train_step
+from workers.trainer.losses import LossSettings, decoupled_ppo_loss
+from workers.trainer.step import StepSettings, collate, token_logprobs, train_step
 
 SEQS = [([3, 4, 5], [6, 7], [-1.0, -2.0]), ([3, 4], [8, 9, 1], [-0.5, -0.25, -3.0]), ([5], [6], [-1.5])]
 ADV = [1.0, -0.5, 0.25]
+PPO = LossSettings(clip_eps=0.2)
 
 
 @pytest.fixture
@@ -38,7 +39,8 @@ def reference_step(model, batch, minibatches):
         prox = token_logprobs(model, batch, 1.0)
     for rows in torch.arange(3).chunk(minibatches):
         mb = batch.select(rows)
-        loss, _ = decoupled_ppo_loss(token_logprobs(model, mb, 1.0), prox[rows], mb.behav_logp, mb.advantages, mb.loss_mask, 0.2)
+        logp = token_logprobs(model, mb, 1.0)
+        loss, _ = decoupled_ppo_loss(logp, prox[rows], mb.behav_logp, mb.advantages, mb.loss_mask, PPO)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -51,9 +53,9 @@ def test_update_equals_the_textbook_order(model, minibatches):
     batch = collate(SEQS, ADV, pad_id=0)
     expected = reference_step(copy.deepcopy(model), batch, minibatches)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    stats = train_step(model, optimizer, batch, decoupled=True, clip_eps=0.2, behaviour_weight_cap=0.0,
-                       minibatches=minibatches, grad_clip=1.0, temperature=1.0)
-    for (name, got), want in zip(model.named_parameters(), expected.parameters()):
+    settings = StepSettings(decoupled=True, minibatches=minibatches, grad_clip=1.0, temperature=1.0, loss=PPO)
+    stats = train_step(model, optimizer, batch, settings)
+    for (name, got), want in zip(model.named_parameters(), expected.parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
     assert stats["grad_norm"] > 0
 
@@ -63,6 +65,6 @@ def test_positive_advantage_makes_its_tokens_more_likely(model):
     before = token_logprobs(model, batch, 1.0)[0, 2:].sum().item()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(3):
-        train_step(model, optimizer, batch, decoupled=False, clip_eps=0.2, behaviour_weight_cap=0.0,
-                   minibatches=1, grad_clip=1.0, temperature=1.0)
+        train_step(model, optimizer, batch, StepSettings(decoupled=False, minibatches=1, grad_clip=1.0, temperature=1.0,
+                                                         loss=PPO))
     assert token_logprobs(model, batch, 1.0)[0, 2:].sum().item() > before

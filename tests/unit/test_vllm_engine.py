@@ -1,7 +1,10 @@
-"""The vLLM backend: a clear error where vLLM is missing; where it is installed (CUDA), the torch engine's contract.
+"""The vLLM backend's own cases: a clear error where vLLM is missing; where it is installed (CUDA), the
+torch engine's tokens and logprobs, before and after a weight update.
 
-The contract tests load the demo-sized Qwen2 saved locally, in float32, so that greedy
-choices and logprobs can be compared with the torch engine on the same weights.
+What every engine promises (interruption, abort, stats, refused prompts) is tests/contract.
+These load the demo-sized Qwen2 saved locally, in float32, so that greedy choices and
+logprobs can be compared with the torch engine on the same weights: that vLLM samples
+and loads a weights file (tied embeddings stored once) as the torch engine does.
 """
 
 import importlib.util
@@ -10,9 +13,10 @@ import pytest
 import torch
 
 from schemas.config import ModelConfig, RolloutConfig, RunConfig
-from workers.rollout.engine import Engine, SamplingParams
+from workers.rollout.engine import Engine
+from workers.rollout.protocol import RolloutEngine, SamplingParams, generate_all
 from workers.rollout.worker import make_engine
-from workers.weights import write_version
+from workers.weights import WeightsFile, unique_state_dict, write_version
 
 PROMPTS = [[3, 4, 5], [6, 7, 8, 9, 10, 11, 12], [13], [5, 3, 6, 3, 7]]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
@@ -47,32 +51,23 @@ def engine(demo):
     vllm_engine.close()
 
 
-def test_vllm_greedy_and_logprobs_match_the_torch_engine(demo, engine):
-    reference = Engine(demo[1]).generate(PROMPTS, GREEDY)
-    for seq, ref in zip(engine.generate(PROMPTS, GREEDY), reference):
+def assert_generates_like_torch(engine: RolloutEngine, model) -> None:
+    """Greedy tokens and their logprobs equal those of the torch engine on `model`."""
+    reference = generate_all(Engine(model), PROMPTS, GREEDY)
+    for seq, ref in zip(generate_all(engine, PROMPTS, GREEDY), reference, strict=True):
         assert seq.token_ids == ref.token_ids and seq.finish_reason == "length"
+        assert seq.versions == [engine.version] * GREEDY.max_new_tokens
         torch.testing.assert_close(torch.tensor(seq.logprobs), torch.tensor(ref.logprobs), atol=1e-3, rtol=0)
 
 
-def test_vllm_interruption_continues_under_the_new_weights(demo, engine, tmp_path):
-    seqs = [engine.submit(f"s{i}", p, SamplingParams(temperature=0.0, max_new_tokens=40)) for i, p in enumerate(PROMPTS)]
-    while min(len(s.token_ids) for s in seqs) < 3:
-        engine.step()
+def test_vllm_greedy_and_logprobs_match_the_torch_engine(demo, engine):
+    assert_generates_like_torch(engine, demo[1])
+
+
+def test_vllm_loads_a_weights_file_as_the_torch_engine_does(demo, engine, tmp_path):
+    torch.manual_seed(1)
     new_model = type(demo[1])(demo[1].config).eval()  # other random weights
-    path, _ = write_version(new_model, tmp_path, version=1, keep=2)
-    engine.update_weights(engine.fetch_weights(str(path)), version=1)
-    while not engine.idle():
-        engine.step()
-    fresh = Engine(new_model, version=1)
-    for seq in seqs:
-        cut = seq.versions.index(1)
-        assert set(seq.versions[:cut]) == {0} and set(seq.versions[cut:]) == {1}
-        rest = SamplingParams(temperature=0.0, max_new_tokens=40 - cut)
-        assert seq.token_ids[cut:] == fresh.generate([seq.prompt_ids + seq.token_ids[:cut]], rest)[0].token_ids
-
-
-def test_a_deleted_version_is_a_file_not_found_before_anything_is_aborted(tmp_path):
-    from workers.rollout.vllm_engine import VLLMEngine  # the module imports without vLLM; vLLM loads in __init__
-
-    with pytest.raises(FileNotFoundError):  # the worker skips such a version and keeps generating
-        VLLMEngine.fetch_weights(str(tmp_path / "v000009.safetensors"))
+    path, _ = write_version(unique_state_dict(new_model), tmp_path, version=1, keep=1)
+    engine.update_weights(WeightsFile(path, 1))
+    assert engine.version == 1
+    assert_generates_like_torch(engine, new_model)

@@ -45,64 +45,20 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
-from workers.weights import load_into, read_version
+from workers.rollout.protocol import EngineStats, SamplingParams, Sequence, check_request
+from workers.weights import WeightsFile, load_into, read_version
 
 NO_TOP_K = torch.iinfo(torch.long).max  # a rank no token reaches
 DIRECT_FAMILIES = {"llama", "qwen2", "qwen3"}  # pre-norm, rotary, gated MLP, RMSNorm; no sliding window
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # frequencies independent of the sequence length
 CAPACITY_STEP = 64  # slot capacity grows in multiples of this
 PREFILL_SPREAD = 1.5  # a prefill chunk's longest row is at most this times its first: padding stays bounded
-
-
-@dataclass
-class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    max_new_tokens: int = 32
-    stop_token_ids: tuple[int, ...] = ()
-    top_k: int = 0  # 0 = off; last, so positional construction of the fields above still works
-
-
-@dataclass
-class Sequence:
-    """One request's state, owned by the engine while it runs; read it between steps."""
-
-    key: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)  # policy version that produced each token
-    finish_reason: str | None = None  # "stop" | "length"
-
-    def __len__(self) -> int:
-        return len(self.prompt_ids) + len(self.token_ids)
-
-
-def generate_all(engine, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
-    """Run a whole batch to completion on an idle engine (evaluation); results in prompt order."""
-    if not engine.idle():
-        raise RuntimeError("generate() needs an idle engine")
-    seqs = [engine.submit(f"generate/{i}", p, params) for i, p in enumerate(prompts)]
-    while not engine.idle():
-        engine.step()
-    return seqs
-
-
-def check_request(prompt_ids: list[int], params: SamplingParams, max_len: int | None) -> None:
-    """Refuse what no engine can run (ValueError), before anything is queued."""
-    if not prompt_ids:
-        raise ValueError("empty prompt")
-    if params.temperature < 0 or not 0 < params.top_p <= 1 or params.max_new_tokens < 1 or params.top_k < 0:
-        raise ValueError(f"bad sampling params {params}")
-    if max_len is not None and len(prompt_ids) >= max_len:
-        raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under {max_len} positions")
 
 
 @dataclass
@@ -283,9 +239,9 @@ def make_forward(model, forward: str) -> DirectForward | HFForward:
 
 
 class Engine:
-    """Continuous-batching generator with in-place weight updates.
+    """Continuous-batching generator with in-place weight updates: a `RolloutEngine` (workers.rollout.protocol).
 
-    Not thread-safe: call submit/step/update_weights from one thread (the worker loop).
+    Not thread-safe: call it from one thread (the worker loop).
     """
 
     def __init__(self, model, *, max_batch: int = 64, version: int = 0, seed: int | None = None,
@@ -296,6 +252,7 @@ class Engine:
         self.max_prefill_tokens = max_prefill_tokens  # padded tokens per prefill forward
         config = model.config.get_text_config()
         self.max_len = getattr(config, "max_position_embeddings", None)
+        self.vocab = model.get_input_embeddings().num_embeddings
         self.forward = make_forward(model, forward)
         heads = config.num_attention_heads
         self.kv_shape = (config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads,
@@ -313,12 +270,13 @@ class Engine:
         self.top_k: torch.Tensor | None = None  # [B], NO_TOP_K where off
         self.any_random = self.any_filter = False  # skip sampling work the batch does not need
         self.slots_changed = False  # the per-slot sampling tensors need a rebuild
+        self.generated_tokens = self.weight_updates = self.interrupted = 0  # for stats()
 
-    # ---- public API ----
+    # ---- RolloutEngine ----
 
     def submit(self, key: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request; it joins the batch at the next step with room."""
-        check_request(prompt_ids, params, self.max_len)
+        check_request(prompt_ids, params, self.max_len, self.vocab)
         if any(s.key == key for s in self.running()):
             raise ValueError(f"sequence {key!r} is already in the engine")
         seq = Sequence(key, list(prompt_ids), params)
@@ -345,8 +303,9 @@ class Engine:
             return []
         logits = self._forward()  # [B, V]
         tokens, logprobs = self._sample(logits)  # [B], [B]
+        self.generated_tokens += len(self.slots)
         finished = []
-        for i, (seq, tok, lp) in enumerate(zip(self.slots, tokens.tolist(), logprobs.tolist())):
+        for i, (seq, tok, lp) in enumerate(zip(self.slots, tokens.tolist(), logprobs.tolist(), strict=True)):
             seq.token_ids.append(tok)
             seq.logprobs.append(lp)
             seq.versions.append(self.version)
@@ -361,25 +320,47 @@ class Engine:
             self._free(i)
         return done
 
-    @staticmethod
-    def fetch_weights(uri: str) -> dict[str, torch.Tensor]:
-        """What update_weights needs of a version: its tensors (raises FileNotFoundError once deleted)."""
-        return read_version(uri)
+    def interrupt(self) -> list[Sequence]:
+        """Every unfinished sequence as it stands. Nothing runs between steps, so there is nothing to stop:
+        the caches stay valid for the current weights, and update_weights marks them for recomputation."""
+        seqs = self.running()
+        self.interrupted += len(seqs)
+        return seqs
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Load new weights in place; the next step recomputes every running sequence's cache with them.
+    def update_weights(self, weights: WeightsFile) -> None:
+        """Load a version in place; the next step recomputes every running sequence's cache with it.
 
         Tokens already generated keep their old version; the next token is sampled
         from logits of the new weights, over a cache of the whole sequence under them.
+        A missing file raises FileNotFoundError before anything changed.
         """
-        load_into(self.model, state_dict)  # in place, outside inference mode: parameters stay normal tensors
-        self.version = version
+        load_into(self.model, read_version(weights.path))  # outside inference mode: parameters stay normal tensors
+        self.version = weights.version
+        self.weight_updates += 1
         self.slots.sort(key=len)  # every slot is rewritten, so order them for tight prefill chunks
         self.decoding = 0
         self.slots_changed = True
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
-        return generate_all(self, prompts, params)
+    @torch.inference_mode()  # the slot cache was made in step()'s inference mode, and _free may copy in it
+    def abort(self, key: str) -> Sequence | None:
+        """Drop one unfinished sequence: its slot is refilled at the next step."""
+        for i, seq in enumerate(self.slots):
+            if seq.key == key:
+                self._free(i)
+                return seq
+        for i, seq in enumerate(self.waiting):
+            if seq.key == key:
+                del self.waiting[i]
+                return seq
+        return None
+
+    def stats(self) -> EngineStats:
+        return EngineStats(version=self.version, running=len(self.slots) + len(self.waiting),
+                           queued=len(self.waiting), capacity=self.max_batch, generated_tokens=self.generated_tokens,
+                           weight_updates=self.weight_updates, interrupted=self.interrupted)
+
+    def close(self) -> None:
+        """Nothing to release: the model and the caches go with the engine."""
 
     # ---- slots ----
 
@@ -417,13 +398,22 @@ class Engine:
         self.forward.reserve(capacity)
 
     def _free(self, i: int) -> None:
-        """Retire the sequence in slot i: the last slot's sequence and its cache move into it."""
-        last = self.slots.pop()
-        if i < len(self.slots):
-            cached = len(last) - 1  # its newest token is fed by the next step's forward
-            self.kv[:, :, i, :, :cached] = self.kv[:, :, len(self.slots), :, :cached]  # [2, layers, Hkv, n, D]
-            self.slots[i] = last
-        self.decoding -= 1
+        """Retire the sequence in slot i, keeping the slots dense and the slot invariant.
+
+        A cached slot takes the last cached slot's sequence and cache. Slots still to
+        prefill (after admission or a weight update) hold no cache and keep their
+        ascending length order, which the prefill chunks rely on.
+        """
+        if i >= self.decoding:
+            del self.slots[i]
+        else:
+            last = self.decoding - 1
+            if i < last:
+                cached = len(self.slots[last]) - 1  # its newest token is fed by the next step's forward
+                self.kv[:, :, i, :, :cached] = self.kv[:, :, last, :, :cached]  # [2, layers, Hkv, n, D]
+                self.slots[i] = self.slots[last]
+            del self.slots[last]
+            self.decoding -= 1
         self.slots_changed = True
 
     # ---- model calls ----

@@ -1,20 +1,21 @@
-"""vLLM behind the embedded engine's interface, for rollout workers on CUDA machines.
+"""vLLM as a `RolloutEngine` (workers.rollout.protocol), for rollout workers on CUDA machines.
 
 Selected with `rollout.backend: vllm` (the `vllm` extra). vLLM's AsyncLLM runs in the
 rollout worker's process, on a private event loop in a daemon thread, so the worker
-drives it exactly like `Engine`: submit / step / running / idle / update_weights.
+drives it exactly like the torch `Engine`:
 
-    submit  -> one vLLM request per sequence (prompt token ids, DELTA outputs, logprob of
-               the sampled token), consumed by a task that queues each output
-    step    -> waits briefly for outputs, applies them to the Sequences (only here, on the
-               caller's thread) and returns the finished ones
-    update  -> abort every request, load the new version in each vLLM worker from the
-               safetensors file the trainer announced (`WeightLoader`, a worker
-               extension), drop the prefix cache, resubmit prompt + tokens so far
+    submit    -> one vLLM request per sequence (prompt token ids, DELTA outputs, logprob of
+                 the sampled token), consumed by a task that queues each output
+    step      -> waits briefly for outputs, applies them to the Sequences (only here, on the
+                 caller's thread) and returns the finished ones
+    interrupt -> abort every request; the sequences are held, tokens so far
+    update    -> load the new version in each vLLM worker from the safetensors file the
+                 trainer announced (`WeightLoader`, a worker extension), drop the prefix
+                 cache, resubmit every held sequence's prompt + tokens so far
 
-Outputs that arrive between the worker's last step and the abort were never seen by
-the worker, so they are dropped and regenerated under the new weights: every token a
-Sequence holds was produced by the version recorded next to it.
+Outputs that arrive between the caller's last step and the abort were never seen by
+it, so they are dropped and regenerated: every token a Sequence holds was produced by
+the version recorded next to it.
 
 Behaviour logprobs use vLLM's `processed_logprobs` mode: log_softmax of the logits the
 sampler used, after temperature. Without top-k/top-p that is the torch engine's
@@ -34,7 +35,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.rollout.engine import SamplingParams, Sequence, check_request, generate_all
+from workers.rollout.protocol import EngineStats, SamplingParams, Sequence, check_request
+from workers.weights import WeightsFile
 
 POLL_S = 0.05  # how long step() waits for vLLM's next output before handing control back
 INSTALL_HINT = ("rollout.backend 'vllm' needs vLLM, which is not installed here: "
@@ -76,7 +78,7 @@ class Request:
 
 
 class VLLMEngine:
-    """The `Engine` interface over vLLM's AsyncLLM. Call it from one thread at a time."""
+    """A `RolloutEngine` (workers.rollout.protocol) over vLLM's AsyncLLM. Call it from one thread at a time."""
 
     def __init__(self, model_path: str, *, max_batch: int = 64, version: int = 0, seed: int | None = None,
                  dtype: str = "auto", max_model_len: int | None = None):
@@ -95,33 +97,38 @@ class VLLMEngine:
             worker_extension_cls=f"{__name__}.{WeightLoader.__name__}",
         )
         self.llm = self._run(self._create(args))
-        self.max_len = max_model_len or self.llm.model_config.max_model_len
-        self.requests: dict[str, Request] = {}  # request id -> request, for every unfinished sequence
+        self.max_batch, self.max_len = max_batch, max_model_len or self.llm.model_config.max_model_len
+        self.vocab = self.llm.model_config.get_vocab_size()
+        self.requests: dict[str, Request] = {}  # request id -> request, for every generating sequence
+        self.held: list[Sequence] = []  # unfinished sequences without a request: interrupted, not yet resumed
         self.outputs: queue.SimpleQueue = queue.SimpleQueue()  # (request id, CompletionOutput | Exception)
         self.counter = itertools.count()
+        self.generated_tokens = self.weight_updates = self.interrupted = 0  # for stats()
 
-    # ---- the Engine interface ----
+    # ---- RolloutEngine ----
 
     def submit(self, key: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Start generating; the tokens show up in the Sequence through step()."""
-        check_request(prompt_ids, params, self.max_len)
-        if any(r.seq.key == key for r in self.requests.values()):
+        check_request(prompt_ids, params, self.max_len, self.vocab)
+        if any(s.key == key for s in self.running()):
             raise ValueError(f"sequence {key!r} is already in the engine")
         seq = Sequence(key, list(prompt_ids), params)
         self._start(seq)
         return seq
 
     def running(self) -> list[Sequence]:
-        return [r.seq for r in self.requests.values()]
+        return [r.seq for r in self.requests.values()] + self.held
 
     def idle(self) -> bool:
-        return not self.requests
+        return not self.requests and not self.held
 
     def step(self) -> list[Sequence]:
         """Apply every output vLLM produced since the last call (waiting up to POLL_S for one).
 
-        Returns the sequences that finished; they have left the engine.
+        Held sequences (an interruption without a weight update) resume first, on the
+        current weights. Returns the sequences that finished; they have left the engine.
         """
+        self._resume()
         try:
             arrived = [self.outputs.get(timeout=POLL_S)]
         except queue.Empty:
@@ -131,14 +138,15 @@ class VLLMEngine:
         finished = []
         for request_id, out in arrived:
             request = self.requests.get(request_id)
-            if request is None:  # a request aborted by a weight update: its late outputs are void
+            if request is None:  # an aborted request: its late outputs are void
                 continue
             if isinstance(out, Exception):
                 raise out
             seq = request.seq
             seq.token_ids += out.token_ids
-            seq.logprobs += [alternatives[tok].logprob for tok, alternatives in zip(out.token_ids, out.logprobs)]
+            seq.logprobs += [options[tok].logprob for tok, options in zip(out.token_ids, out.logprobs, strict=True)]
             seq.versions += [request.version] * len(out.token_ids)
+            self.generated_tokens += len(out.token_ids)
             if out.finish_reason is not None:
                 if out.finish_reason not in ("stop", "length"):
                     raise RuntimeError(f"vLLM ended {seq.key!r} with {out.finish_reason!r}")
@@ -147,30 +155,46 @@ class VLLMEngine:
                 finished.append(seq)
         return finished
 
-    @staticmethod
-    def fetch_weights(uri: str) -> str:
-        """What update_weights needs of a version: its path (vLLM's workers read the file themselves)."""
-        if not Path(uri).is_file():
-            raise FileNotFoundError(uri)
-        return uri
+    def interrupt(self) -> list[Sequence]:
+        """Abort every request; every unfinished sequence, held until update_weights or the next step."""
+        self._hold()
+        self.interrupted += len(self.held)
+        return list(self.held)
 
-    def update_weights(self, path: str, version: int) -> None:
-        """Abort everything, load `path` in place, resubmit each sequence's prompt plus its tokens so far."""
-        live = list(self.requests.values())
-        self.requests.clear()
-        self._run(self.llm.abort([r.request_id for r in live]))
-        for request in live:
-            request.task.cancel()  # its generator is done after the abort; late outputs are void anyway
+    def update_weights(self, weights: WeightsFile) -> None:
+        """Load `weights` in place in every vLLM worker, then resubmit each sequence's prompt plus its tokens so far.
+
+        A missing file raises FileNotFoundError before anything is aborted; held sequences then resume on
+        the old weights, as they do when the load itself fails.
+        """
         try:
-            self._run(self.llm.collective_rpc("load_safetensors", args=(str(path),)))
+            if not Path(weights.path).is_file():
+                raise FileNotFoundError(f"weights v{weights.version}: {weights.path} does not exist")
+            self._hold()
+            self._run(self.llm.collective_rpc("load_safetensors", args=(str(weights.path),)))
             self._run(self.llm.reset_prefix_cache())  # cached blocks hold keys/values of the old weights
-            self.version = version
-        finally:  # a failed load (the file went between fetch and load) leaves the old weights running
-            for request in live:
-                self._start(request.seq)
+            self.version = weights.version
+            self.weight_updates += 1
+        finally:
+            self._resume()
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
-        return generate_all(self, prompts, params)
+    def abort(self, key: str) -> Sequence | None:
+        """Abort one sequence's request (or forget it, if held)."""
+        request = next((r for r in self.requests.values() if r.seq.key == key), None)
+        if request is not None:
+            del self.requests[request.request_id]
+            self._abort([request])
+            return request.seq
+        seq = next((s for s in self.held if s.key == key), None)
+        if seq is not None:
+            self.held.remove(seq)
+        return seq
+
+    def stats(self) -> EngineStats:
+        running = len(self.requests) + len(self.held)
+        return EngineStats(version=self.version, running=running, queued=max(0, running - self.max_batch),
+                           capacity=self.max_batch, generated_tokens=self.generated_tokens,
+                           weight_updates=self.weight_updates, interrupted=self.interrupted)
 
     def close(self) -> None:
         self.llm.shutdown()
@@ -185,6 +209,26 @@ class VLLMEngine:
 
     async def _create(self, args):
         return self.async_llm.from_engine_args(args)  # inside the loop, so its output handler starts there
+
+    def _hold(self) -> None:
+        """Abort every request, keeping its sequence as far as step() applied it."""
+        live = list(self.requests.values())
+        self.requests.clear()
+        self._abort(live)
+        self.held += [r.seq for r in live]
+
+    def _resume(self) -> None:
+        """Resubmit every held sequence, under the current weights."""
+        held, self.held = self.held, []
+        for seq in held:
+            self._start(seq)
+
+    def _abort(self, requests: list[Request]) -> None:
+        """Stop requests already removed from `requests`: their late outputs are void in step()."""
+        if requests:
+            self._run(self.llm.abort([r.request_id for r in requests]))
+        for request in requests:
+            request.task.cancel()  # its generator is done after the abort
 
     def _start(self, seq: Sequence) -> None:
         """Submit `seq` (prompt + tokens so far) for the rest of its token budget."""
@@ -203,5 +247,5 @@ class VLLMEngine:
         try:
             async for out in self.llm.generate(prompt, params, request_id):
                 self.outputs.put((request_id, out.outputs[0]))
-        except Exception as exc:  # noqa: BLE001 - handed over, not swallowed
+        except Exception as exc:  # handed over, not swallowed
             self.outputs.put((request_id, exc))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from schemas.messages import DroppedGroup, Scored
+from schemas.messages import DroppedGroup, Scored, prompt_id_of
 from workers.staleness import admissible, staleness
 
 Position = tuple[int, int]  # (partition, offset) of a record in `scored`
@@ -83,7 +83,7 @@ class GroupBuffer:
     def take_exact(self, trajectory_ids: list[str]) -> list[Group] | None:
         """The groups holding exactly these trajectories (a recorded manifest), in the manifest's
         order (the step's row order, so it is redone bit for bit), once all are buffered."""
-        prompt_ids = list(dict.fromkeys(tid.rsplit("/", 1)[0] for tid in trajectory_ids))
+        prompt_ids = list(dict.fromkeys(prompt_id_of(tid) for tid in trajectory_ids))
         groups = [self.groups.get(pid) for pid in prompt_ids]
         if any(g is None or not g.complete for g in groups):
             return None

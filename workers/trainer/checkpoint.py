@@ -15,7 +15,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_state_dict, set_model_state_dict, set_optimizer_state_dict,
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 
 
@@ -36,9 +39,12 @@ def _is_writer() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def save(directory: Path, state: TrainerState, model: torch.nn.Module, optimizer: torch.optim.Optimizer, keep: int = 2) -> Path:
+def save(
+    directory: Path, state: TrainerState, model: torch.nn.Module, optimizer: torch.optim.Optimizer, keep: int = 2
+) -> Path:
     """Write `step_<N>.pt` atomically (rank 0) and keep the newest `keep`. A collective under FSDP2."""
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     final = directory / f"step_{state.step:06d}.pt"
     if not _is_writer():
         return final

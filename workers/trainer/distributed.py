@@ -1,10 +1,12 @@
 """The trainer over several ranks: FSDP2 shards, each rank trains on a token-balanced share.
 
-Every rank holds the same whole batch; `distributed_train_step` is `train_step`
-with each minibatch's rows divided among the ranks (`balance_rows`). The losses
-are divided by the totals of the whole minibatch and FSDP2 sums the gradients
-over the ranks instead of averaging them (`shard_model`), so the reduced
-gradients, the clipping and the update are those of single-process training.
+Every rank holds the same whole batch; `step.train_step` divides each minibatch's
+rows among the ranks (`balance_rows`) and exchanges what it must through a
+`Collective`: `Collective` itself for one process (nothing to exchange),
+`ProcessGroupCollective` under torchrun. The losses are divided by the totals of
+the whole minibatch and FSDP2 sums the gradients over the ranks instead of
+averaging them (`shard_model`), so the reduced gradients, the clipping and the
+update are those of single-process training.
 
 Launch with torchrun: one process per rank, gloo on CPU, NCCL on CUDA.
 """
@@ -12,19 +14,13 @@ Launch with torchrun: one process per rank, gloo on CPU, NCCL on CUDA.
 from __future__ import annotations
 
 import heapq
-import math
 import os
-import statistics
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
-
-from workers.trainer.losses import batch_totals
-from workers.trainer.microbatch import Allocator
-from workers.trainer.step import WHOLE_BATCH, TrainBatch, accumulate_gradients, combine, token_logprobs
 
 
 def init_distributed() -> torch.device:
@@ -41,6 +37,66 @@ def init_distributed() -> torch.device:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     return device
+
+
+class Collective:
+    """What the ranks of a training step exchange, for one process: nothing, so every call is the identity.
+    The step is written once against this interface; `ProcessGroupCollective` is the torchrun one."""
+
+    world, rank = 1, 0
+
+    def max(self, count: int, device: torch.device) -> int:
+        """The largest `count` of any rank (`device`: where the process group's tensors live)."""
+        return count
+
+    def gather(self, stats: dict[str, float]) -> list[dict[str, float]]:
+        """Every rank's `stats`, in rank order."""
+        return [stats]
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over the ranks (in place)."""
+        return tensor
+
+    def broadcast(self, value: object) -> object:
+        """Rank 0's `value` on every rank (what the others pass is ignored)."""
+        return value
+
+
+ONE_PROCESS = Collective()
+
+
+class ProcessGroupCollective(Collective):
+    """Every rank of the default process group (`init_distributed`); each call is a collective."""
+
+    def __init__(self) -> None:
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+
+    def max(self, count: int, device: torch.device) -> int:
+        value = torch.tensor(count, device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return int(value)
+
+    def gather(self, stats: dict[str, float]) -> list[dict[str, float]]:
+        gathered: list[dict[str, float]] = [{} for _ in range(self.world)]
+        dist.all_gather_object(gathered, stats)
+        return gathered
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor)
+        return tensor
+
+    def broadcast(self, value: object) -> object:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def join_ranks(device: str) -> tuple[Collective, torch.device]:
+    """Under torchrun (WORLD_SIZE > 1): join the process group, on this rank's device; else one process on `device`."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        rank_device = init_distributed()
+        return ProcessGroupCollective(), rank_device
+    return ONE_PROCESS, torch.device(device)
 
 
 def close_distributed() -> None:
@@ -88,7 +144,7 @@ def balance_rows(lengths: list[int], world_size: int) -> list[list[int]]:
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float) -> float:
-    """Clip the sharded gradients by their global norm; returns the norm before clipping.
+    """Clip the gradients (FSDP2's sharded ones, or one process's) by their global norm; the norm before clipping.
 
     `clip_grad_norm_` works on FSDP2's DTensor gradients as it is: the per-shard
     norms combine into the norm of the whole gradient (an all-reduce inside DTensor)
@@ -101,11 +157,13 @@ def clip_gradients(model: torch.nn.Module, max_norm: float) -> float:
 def full_state_dict(model: torch.nn.Module, all_ranks: bool = False) -> dict[str, torch.Tensor]:
     """The whole, unsharded weights on CPU, each shared tensor (tied embeddings) under its first name only.
 
-    A collective: every rank must call it. Rank 0 gets the tensors (every rank with
-    `all_ranks`), the others an empty dict, so only one copy is kept for writing.
+    A collective under FSDP2: every rank must call it. Rank 0 (or a process without
+    ranks) gets the tensors (every rank with `all_ranks`), the others an empty dict,
+    so only one copy is kept for writing.
     """
-    keep = all_ranks or dist.get_rank() == 0
-    aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
+    keep = all_ranks or not dist.is_initialized() or dist.get_rank() == 0
+    every_name = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    aliases = every_name - dict(model.named_parameters()).keys()
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         if name in aliases:  # decided by name, the same on every rank (a shard's storage may be empty)
@@ -114,80 +172,3 @@ def full_state_dict(model: torch.nn.Module, all_ranks: bool = False) -> dict[str
         if keep:
             tensors[name] = full.detach().to("cpu").contiguous()
     return tensors
-
-
-def _rank_share(
-    batch: TrainBatch, rows: list[int], split: Allocator, filler: int
-) -> tuple[torch.Tensor, TrainBatch, Allocator]:
-    """This rank's rows, padded with `filler` rows that carry no loss, and their micro-batches.
-
-    Every FSDP2 forward and backward is a collective, so all ranks must run as many
-    micro-batches: a rank with fewer (or no rows at all) adds micro-batches of one
-    filler row each, whose loss mask is zero, so they add exactly nothing.
-    Returns the padded row indices into `batch`, those rows, and an allocator giving their micro-batches.
-    """
-    lengths = batch.attention_mask.sum(-1).tolist()
-    plan = split([lengths[i] for i in rows]) if rows else []
-    count = torch.tensor(len(plan), device=batch.input_ids.device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    padding = int(count) - len(plan)
-    plan = plan + [[len(rows) + k] for k in range(padding)]
-    indices = torch.tensor(rows + [filler] * padding, dtype=torch.long, device=batch.input_ids.device)
-    share = batch.select(indices)
-    share.loss_mask[len(rows):] = 0.0
-    return indices, share, lambda _lengths: plan
-
-
-def distributed_train_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: TrainBatch,
-    *,
-    decoupled: bool,
-    minibatches: int,
-    grad_clip: float,
-    temperature: float,
-    split: Allocator = WHOLE_BATCH,
-    **loss_options,
-) -> dict[str, float]:
-    """`train_step` on a model from `shard_model`, called by every rank with the same whole batch.
-
-    Same minibatches and pi_prox as `train_step` (the arrival weights; the first
-    minibatch's own pass when decoupled); each rank takes its `balance_rows` share
-    of every minibatch and cuts it into micro-batches with `split`. Each loss is
-    divided by the totals of the whole minibatch, so the summed gradients, the
-    clipping and the AdamW step equal single-process training. The stats are those
-    of the whole batch on every rank ('microbatches': passes summed over the ranks,
-    fillers included).
-    """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    lengths = batch.attention_mask.sum(-1).tolist()
-    filler = min(range(len(lengths)), key=lambda i: (lengths[i], i))  # the cheapest row to pad with
-    chunks = [chunk.tolist() for chunk in torch.arange(len(lengths)).chunk(minibatches)]
-    mine = [[chunk[i] for i in balance_rows([lengths[r] for r in chunk], world)[rank]] for chunk in chunks]
-    prox = batch.behav_logp.clone()  # [N, T-1]; stays pi_behav for naive PPO; valid on this rank's rows
-    if decoupled and minibatches > 1:
-        with torch.no_grad():
-            indices, share, plan = _rank_share(batch, [r for rows in mine[1:] for r in rows], split, filler)
-            prox[indices] = token_logprobs(model, share, temperature, plan)
-    parts = []
-    for index, (chunk, rows) in enumerate(zip(chunks, mine)):
-        own_prox = decoupled and index == 0
-        indices, share, plan = _rank_share(batch, rows, split, filler)
-        optimizer.zero_grad(set_to_none=True)
-        stats, logp = accumulate_gradients(
-            model, share, None if own_prox else prox[indices], plan, temperature,
-            totals=batch_totals(batch.loss_mask[chunk]), **loss_options,
-        )
-        if own_prox:
-            prox[indices[: len(rows)]] = logp[: len(rows)]
-        gathered: list[dict[str, float]] = [{} for _ in range(world)]
-        dist.all_gather_object(gathered, stats)
-        grad_norm = clip_gradients(model, grad_clip)
-        optimizer.step()
-        parts.append({**combine(gathered, math.fsum), "grad_norm": grad_norm})
-    own = torch.tensor([r for rows in mine for r in rows], dtype=torch.long, device=batch.input_ids.device)
-    mask = batch.loss_mask[own].bool()  # [n, T-1]
-    diff = torch.stack([(prox[own] - batch.behav_logp[own])[mask].abs().sum(), mask.sum().float()])  # [2]
-    dist.all_reduce(diff)
-    return {**combine(parts, statistics.fmean), "prox_behav_abs_diff": (diff[0] / diff[1]).item()}

@@ -11,6 +11,9 @@ dropped by the behaviour-weight mask still count in those totals.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 
 
@@ -71,71 +74,87 @@ def kl_to_reference(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - log_ratio - 1.0
 
 
+@dataclass(frozen=True)
+class LossSettings:
+    """Every option of `decoupled_ppo_loss`, one value passed whole, so an option added here reaches the loss
+    without touching its callers (built from the run config by `workers.trainer.model.step_settings`)."""
+
+    clip_eps: float  # PPO ratio clip: clip(r, 1 - clip_eps, 1 + upper)
+    clip_eps_high: float = 0.0  # the upper clip ("clip-higher"); 0 = clip_eps
+    behaviour_weight_cap: float = 0.0  # 0 = none; above it w is clamped ('cap') or its token/sequence dropped ('mask')
+    behaviour_weight_mode: Literal["cap", "mask"] = "cap"
+    behaviour_weight_level: Literal["token", "sequence"] = "token"  # see `behaviour_weights`
+    aggregation: Literal["token_mean", "seq_mean", "token_sum_norm"] = "token_mean"  # see `aggregate`
+    max_new_tokens: int = 0  # the generation budget: 'token_sum_norm' divides by sequences x this
+    kl_coef: float = 0.0  # weight of KL(pi_theta || pi_ref) per token (`kl_to_reference`); needs ref_logp
+
+
+def capped_behaviour_weights(weight: torch.Tensor, cap: float, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights the loss applies and where the raw ones exceed `cap` (0 = no cap), [N, T] each."""
+    over_cap = weight > cap if cap > 0 else torch.zeros_like(weight, dtype=torch.bool)  # [N, T]
+    if mode == "cap":
+        return torch.where(over_cap, cap, weight), over_cap
+    if mode == "mask":
+        return torch.where(over_cap, 0.0, weight), over_cap
+    raise ValueError(f"unknown behaviour weight mode {mode!r}: use 'cap' or 'mask'")
+
+
+@torch.no_grad()
+def loss_stats(
+    mask: torch.Tensor,  # [N, T]
+    tokens: float,
+    ratio: torch.Tensor,  # [N, T] pi_theta / pi_prox
+    weight: torch.Tensor,  # [N, T] raw behaviour weights
+    over_cap: torch.Tensor,  # [N, T] bool
+    clipped: torch.Tensor,  # [N, T] bool: the clipped term was the smaller
+    kl: torch.Tensor | None,  # [N, T]
+) -> dict[str, float]:
+    """Token sums divided by the minibatch's token total, so summed over its micro-batches they give the
+    minibatch's own (`_max`/`_min`: max/min over them)."""
+    real = mask > 0  # [N, T]
+    stats = {
+        "clip_fraction": (clipped & real).sum().item() / tokens,
+        "ratio_mean": (ratio * mask).sum().item() / tokens,
+        "behaviour_weight_mean": (weight * mask).sum().item() / tokens,
+        "behaviour_weight_max": torch.where(real, weight, -torch.inf).max().item(),
+        "behaviour_weight_min": torch.where(real, weight, torch.inf).min().item(),
+        "behaviour_weight_over_cap": (over_cap & real).sum().item() / tokens,
+    }
+    if kl is not None:
+        stats["kl_ref"] = (kl * mask).sum().item() / tokens
+    return stats
+
+
 def decoupled_ppo_loss(
     logp: torch.Tensor,  # [N, T] log pi_theta, with grad
     prox_logp: torch.Tensor,  # [N, T] log pi_prox (trainer weights when the batch arrived)
     behav_logp: torch.Tensor,  # [N, T] log pi_behav (recorded at generation)
     advantages: torch.Tensor,  # [N, T] (a sequence's advantage broadcast over its tokens)
     mask: torch.Tensor,  # [N, T]
-    clip_eps: float,
-    behaviour_weight_cap: float = 0.0,
-    *,
-    clip_eps_high: float = 0.0,
-    behaviour_weight_mode: str = "cap",
-    behaviour_weight_level: str = "token",
-    aggregation: str = "token_mean",
-    max_new_tokens: int = 0,
+    settings: LossSettings,
     totals: tuple[float, float] | None = None,
-    kl_coef: float = 0.0,
     ref_logp: torch.Tensor | None = None,  # [N, T] log pi_ref of a frozen reference; needed when kl_coef > 0
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """AReaL's decoupled PPO objective.
+    """AReaL's decoupled PPO objective and its stats (`loss_stats`).
 
-    loss_t = -w * min(r*A, clip(r, 1-eps, 1+eps_high)*A), r = pi_theta/pi_prox, w = pi_prox/pi_behav.
-    With prox_logp == behav_logp it is standard (naive) PPO.
-
-    clip_eps_high: the upper clip ("clip-higher"); 0 = clip_eps.
-    behaviour_weight_level: w per token or per sequence (`behaviour_weights`).
-    behaviour_weight_cap: 0 = none; above it w is clamped to the cap (mode 'cap') or
-        the token / sequence is dropped from the loss (mode 'mask').
-    aggregation, max_new_tokens: see `aggregate`.
-    totals: (tokens, sequences) of the whole minibatch this batch is a micro-batch of;
-        default: this batch's own.
-    kl_coef: adds kl_coef * KL(pi_theta || pi_ref) per token (`kl_to_reference`), aggregated
-        like the policy term. The stats are divided by the same token total, so
-        summed over micro-batches they give the minibatch's (`_max`/`_min`: max/min).
+    loss_t = -w * min(r*A, clip(r, 1-eps, 1+eps_high)*A), r = pi_theta/pi_prox, w = pi_prox/pi_behav,
+    plus kl_coef * KL(pi_theta || pi_ref), aggregated alike. With prox_logp == behav_logp it is
+    standard (naive) PPO. `totals`: (tokens, sequences) of the whole minibatch this batch is a
+    micro-batch of; default: this batch's own.
     """
+    s = settings
     totals = totals if totals is not None else batch_totals(mask)
-    tokens = totals[0]
-    weight = behaviour_weights(prox_logp, behav_logp, mask, behaviour_weight_level)  # [N, T]
-    over_cap = weight > behaviour_weight_cap if behaviour_weight_cap > 0 else torch.zeros_like(weight, dtype=torch.bool)
-    if behaviour_weight_mode == "cap":
-        applied = torch.where(over_cap, behaviour_weight_cap, weight)  # [N, T]
-    elif behaviour_weight_mode == "mask":
-        applied = torch.where(over_cap, 0.0, weight)  # [N, T]
-    else:
-        raise ValueError(f"unknown behaviour weight mode {behaviour_weight_mode!r}: use 'cap' or 'mask'")
+    weight = behaviour_weights(prox_logp, behav_logp, mask, s.behaviour_weight_level)  # [N, T]
+    applied, over_cap = capped_behaviour_weights(weight, s.behaviour_weight_cap, s.behaviour_weight_mode)  # [N, T]
     ratio = torch.exp(logp - prox_logp)  # [N, T]
     unclipped = ratio * advantages  # [N, T]
-    clipped = ratio.clamp(1.0 - clip_eps, 1.0 + (clip_eps_high or clip_eps)) * advantages  # [N, T]
+    clipped = ratio.clamp(1.0 - s.clip_eps, 1.0 + (s.clip_eps_high or s.clip_eps)) * advantages  # [N, T]
     per_token = -applied * torch.minimum(unclipped, clipped)  # [N, T]
     kl = None
-    if kl_coef > 0:
+    if s.kl_coef > 0:
         if ref_logp is None:
             raise ValueError("kl_coef > 0 needs ref_logp, the reference policy's logprobs")
         kl = kl_to_reference(logp, ref_logp)  # [N, T]
-        per_token = per_token + kl_coef * kl
-    loss = aggregate(per_token, mask, aggregation, totals, max_new_tokens)
-    with torch.no_grad():
-        real = mask > 0  # [N, T]
-        stats = {
-            "clip_fraction": ((clipped < unclipped) & real).sum().item() / tokens,
-            "ratio_mean": (ratio * mask).sum().item() / tokens,
-            "behaviour_weight_mean": (weight * mask).sum().item() / tokens,
-            "behaviour_weight_max": torch.where(real, weight, -torch.inf).max().item(),
-            "behaviour_weight_min": torch.where(real, weight, torch.inf).min().item(),
-            "behaviour_weight_over_cap": (over_cap & real).sum().item() / tokens,
-        }
-        if kl is not None:
-            stats["kl_ref"] = (kl * mask).sum().item() / tokens
-    return loss, stats
+        per_token = per_token + s.kl_coef * kl
+    loss = aggregate(per_token, mask, s.aggregation, totals, s.max_new_tokens)
+    return loss, loss_stats(mask, totals[0], ratio, weight, over_cap, clipped < unclipped, kl)

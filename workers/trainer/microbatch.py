@@ -12,11 +12,11 @@ from functools import partial
 Allocator = Callable[[list[int]], list[list[int]]]
 
 
-def allocate_dynamic(lengths: list[int], max_tokens: int, min_microbatches: int = 1) -> list[list[int]]:
+def allocate_dynamic(lengths: list[int], max_tokens: int, min_count: int = 1) -> list[list[int]]:
     """Micro-batches under a token budget, longest sequences first.
 
     Sequences are taken by length, longest first (ties by index). A new micro-batch
-    is opened while fewer than `min_microbatches` exist or when no micro-batch can
+    is opened while fewer than `min_count` exist or when no micro-batch can
     take the sequence within `max_tokens`; otherwise the sequence joins the fitting
     micro-batch with the fewest sequences (ties: the one opened first). A sequence
     longer than `max_tokens` gets a micro-batch of its own.
@@ -26,7 +26,7 @@ def allocate_dynamic(lengths: list[int], max_tokens: int, min_microbatches: int 
     tokens: list[int] = []
     for i in order:
         fitting = [m for m in range(len(microbatches)) if tokens[m] + lengths[i] <= max_tokens]
-        if len(microbatches) < min_microbatches or not fitting:
+        if len(microbatches) < min_count or not fitting:
             microbatches.append([i])
             tokens.append(lengths[i])
         else:
@@ -43,10 +43,10 @@ def allocate_fixed(lengths: list[int], count: int) -> list[list[int]]:
     return [list(range(n * k // parts, n * (k + 1) // parts)) for k in range(parts)]
 
 
-def allocator(mode: str, max_tokens: int, min_microbatches: int, fixed_count: int) -> Allocator:
-    """The allocator named by the trainer config: 'dynamic' (token budget) or 'fixed' (sequence count)."""
+def allocator(mode: str, max_tokens: int, min_count: int, fixed_count: int) -> Allocator:
+    """The allocator `trainer.microbatch` names: mode 'dynamic' (token budget) or 'fixed' (sequence count)."""
     if mode == "dynamic":
-        return partial(allocate_dynamic, max_tokens=max_tokens, min_microbatches=min_microbatches)
+        return partial(allocate_dynamic, max_tokens=max_tokens, min_count=min_count)
     if mode == "fixed":
         return partial(allocate_fixed, count=fixed_count)
     raise ValueError(f"unknown micro-batch mode {mode!r}: use 'dynamic' or 'fixed'")

@@ -1,9 +1,11 @@
 """One optimizer step of decoupled PPO on a batch of trajectories, in plain torch.
 
 Read top to bottom: collate -> pi_prox -> minibatch updates, each minibatch split
-into packed micro-batches whose gradients accumulate. The loss itself is a pure
-function in `losses.py`, the micro-batch allocators in `microbatch.py`, packing in
-`packing.py`; the advantages come in already computed.
+into packed micro-batches whose gradients accumulate. One step for one process or
+many FSDP2 ranks: what the ranks exchange goes through a `Collective`, which for
+one process exchanges nothing. The loss itself is a pure function in `losses.py`,
+the micro-batch allocators in `microbatch.py`, packing in `packing.py`, the ranks
+in `distributed.py`; the advantages come in already computed.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from functools import partial
 
 import torch
 
-from workers.trainer.losses import batch_totals, decoupled_ppo_loss
+from workers.trainer.distributed import ONE_PROCESS, Collective, balance_rows, clip_gradients
+from workers.trainer.losses import LossSettings, batch_totals, decoupled_ppo_loss
 from workers.trainer.microbatch import Allocator, allocate_fixed
 from workers.trainer.packing import pack, use_packed_attention
 
 WHOLE_BATCH: Allocator = partial(allocate_fixed, count=1)
+Sequences = list[tuple[list[int], list[int], list[float]]]  # (prompt, completion, behaviour logprobs) of each row
 
 
 @dataclass
@@ -33,10 +37,10 @@ class TrainBatch:
     behav_logp: torch.Tensor  # [N, T-1] recorded behaviour logprobs (0 elsewhere)
     advantages: torch.Tensor  # [N, T-1] the sequence advantage on its completion tokens
 
-    def select(self, rows: torch.Tensor) -> "TrainBatch":
+    def select(self, rows: torch.Tensor) -> TrainBatch:
         return TrainBatch(*(t[rows] for t in vars(self).values()))
 
-    def to(self, device: torch.device | str) -> "TrainBatch":
+    def to(self, device: torch.device | str) -> TrainBatch:
         return TrainBatch(*(t.to(device) for t in vars(self).values()))
 
     def microbatches(self, split: Allocator) -> list[torch.Tensor]:
@@ -46,7 +50,7 @@ class TrainBatch:
 
 
 def collate(
-    sequences: list[tuple[list[int], list[int], list[float]]],  # (prompt, completion, behaviour logprobs)
+    sequences: Sequences,
     advantages: list[float],
     pad_id: int,
     device: torch.device | str = "cpu",
@@ -57,7 +61,7 @@ def collate(
     loss_mask = torch.zeros(n, width - 1)
     behav = torch.zeros(n, width - 1)
     adv = torch.zeros(n, width - 1)
-    for row, ((prompt, completion, logprobs), advantage) in enumerate(zip(sequences, advantages)):
+    for row, ((prompt, completion, logprobs), advantage) in enumerate(zip(sequences, advantages, strict=True)):
         length, start = len(prompt) + len(completion), len(prompt) - 1  # logits at start predict completion[0]
         input_ids[row, :length] = torch.tensor(prompt + completion)
         attention_mask[row, :length] = 1
@@ -106,9 +110,9 @@ def accumulate_gradients(
     prox: torch.Tensor | None,  # [N, T-1] log pi_prox; None = this pass's own logprobs
     split: Allocator,
     temperature: float,
+    loss: LossSettings,
     totals: tuple[float, float] | None = None,
     reference: torch.nn.Module | None = None,
-    **loss_options,
 ) -> tuple[dict[str, float], torch.Tensor]:
     """Backward of one minibatch's loss, one packed micro-batch at a time.
 
@@ -116,8 +120,7 @@ def accumulate_gradients(
     accumulated gradients (and the summed loss) are those of the minibatch in one
     piece. `totals`: those of the whole minibatch when `batch` is only one rank's
     share of it (default: `batch`'s own). `reference`: a frozen model whose logprobs
-    the KL penalty needs (with `kl_coef` > 0). `loss_options` are the keyword
-    arguments of `decoupled_ppo_loss`.
+    the KL penalty needs (with `loss.kl_coef` > 0).
     Returns the stats and this pass's logprobs, [N, T-1], detached.
     """
     totals = totals if totals is not None else batch_totals(batch.loss_mask)
@@ -127,55 +130,112 @@ def accumulate_gradients(
         mb = batch.select(rows)
         logp, entropy = packed_logprobs(model, mb, temperature)  # [n, T-1] each
         mb_prox = logp.detach() if prox is None else prox[rows]  # [n, T-1]
+        ref_logp = None
         if reference is not None:
             with torch.no_grad():
-                loss_options["ref_logp"] = packed_logprobs(reference, mb, temperature)[0]  # [n, T-1]
-        loss, loss_stats = decoupled_ppo_loss(
-            logp, mb_prox, mb.behav_logp, mb.advantages, mb.loss_mask, totals=totals, **loss_options
+                ref_logp = packed_logprobs(reference, mb, temperature)[0]  # [n, T-1]
+        value, loss_stats = decoupled_ppo_loss(
+            logp, mb_prox, mb.behav_logp, mb.advantages, mb.loss_mask, loss, totals=totals, ref_logp=ref_logp
         )
-        loss.backward()
+        value.backward()
         own_logp[rows] = logp.detach()
-        parts.append({"loss": loss.item(), "entropy": (entropy * mb.loss_mask).sum().item() / totals[0], **loss_stats})
+        parts.append({"loss": value.item(), "entropy": (entropy * mb.loss_mask).sum().item() / totals[0], **loss_stats})
     return {**combine(parts, math.fsum), "microbatches": len(parts)}, own_logp
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """Everything a step needs besides model, optimizer and batch: one value, built once from the run config
+    (`workers.trainer.model.step_settings`)."""
+
+    decoupled: bool  # pi_prox recomputed with the arrival weights; False: naive PPO, pi_prox := pi_behav
+    minibatches: int  # PPO updates per step, on contiguous chunks of the batch
+    grad_clip: float  # max global gradient norm
+    temperature: float  # the sampling temperature the logprobs are taken at
+    loss: LossSettings
+    split: Allocator = WHOLE_BATCH  # cuts each minibatch (each rank's share) into packed micro-batches
+
+
+class RankShare:
+    """This rank's rows of a minibatch, padded with filler rows so every rank runs as many micro-batches.
+
+    Every FSDP2 forward and backward is a collective, so all ranks must run as many
+    micro-batches: a rank with fewer (or no rows at all) adds micro-batches of one
+    filler row each (the batch's cheapest), whose loss mask is zero, so they add
+    exactly nothing. One process has no fillers: its share is the rows themselves.
+    """
+
+    def __init__(self, batch: TrainBatch, split: Allocator, ranks: Collective):
+        self.batch, self.split, self.ranks = batch, split, ranks
+        self.lengths = batch.attention_mask.sum(-1).tolist()
+        self.filler = min(range(len(self.lengths)), key=lambda i: (self.lengths[i], i))
+
+    def of(self, rows: list[int]) -> tuple[torch.Tensor, TrainBatch, Allocator]:
+        """The padded row indices into the batch, those rows, and an allocator giving their micro-batches."""
+        device = self.batch.input_ids.device
+        plan = self.split([self.lengths[i] for i in rows]) if rows else []
+        padding = self.ranks.max(len(plan), device) - len(plan)
+        plan = plan + [[len(rows) + k] for k in range(padding)]
+        indices = torch.tensor(rows + [self.filler] * padding, dtype=torch.long, device=device)  # [n]
+        share = self.batch.select(indices)
+        share.loss_mask[len(rows):] = 0.0
+        return indices, share, lambda _lengths: plan
 
 
 def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: TrainBatch,
-    *,
-    decoupled: bool,
-    minibatches: int,
-    grad_clip: float,
-    temperature: float,
-    split: Allocator = WHOLE_BATCH,
-    **loss_options,
+    settings: StepSettings,
+    ranks: Collective = ONE_PROCESS,
+    reference: torch.nn.Module | None = None,
 ) -> dict[str, float]:
     """pi_prox with the weights as they are when the batch arrives, then `minibatches` PPO updates.
 
-    Each minibatch is cut into micro-batches by `split` (see `microbatch.py`);
-    `loss_options` are the keyword arguments of `decoupled_ppo_loss` (clip_eps,
-    behaviour_weight_cap, kl_coef, ...) and `reference` (the frozen model of the KL penalty).
-    The first minibatch's own forward pass runs on the arrival weights, so its
-    pi_prox is that pass detached: with one minibatch pi_prox costs nothing extra.
+    Every rank calls it with the same whole batch and takes its `balance_rows` share of
+    each minibatch (one process: all of it), cut into micro-batches by `settings.split`.
+    Each loss is divided by the totals of the whole minibatch, so the summed gradients,
+    the clipping and the AdamW step equal single-process training. The first minibatch's
+    own forward pass runs on the arrival weights, so its pi_prox is that pass detached:
+    with one minibatch pi_prox costs nothing extra. `reference`: the frozen model of the
+    KL penalty. The stats are those of the whole batch on every rank ('microbatches':
+    passes summed over the ranks, fillers included).
     """
-    chunks = torch.arange(batch.input_ids.shape[0]).chunk(minibatches)
-    prox = batch.behav_logp.clone()  # [N, T-1]; stays pi_behav for naive PPO
-    if decoupled and minibatches > 1:
+    shares = RankShare(batch, settings.split, ranks)
+    lengths = shares.lengths
+    chunks = [chunk.tolist() for chunk in torch.arange(len(lengths)).chunk(settings.minibatches)]
+    mine = [  # this rank's rows of each minibatch
+        [chunk[i] for i in balance_rows([lengths[r] for r in chunk], ranks.world)[ranks.rank]] for chunk in chunks
+    ]
+    prox = batch.behav_logp.clone()  # [N, T-1]; stays pi_behav for naive PPO; valid on this rank's rows
+    if settings.decoupled and settings.minibatches > 1:
         with torch.no_grad():
-            rest = torch.cat(chunks[1:])
-            prox[rest] = token_logprobs(model, batch.select(rest), temperature, split)
+            indices, share, plan = shares.of([r for rows in mine[1:] for r in rows])
+            prox[indices] = token_logprobs(model, share, settings.temperature, plan)
     parts = []
-    for index, rows in enumerate(chunks):
-        own_prox = decoupled and index == 0
+    for index, (chunk, rows) in enumerate(zip(chunks, mine, strict=True)):
+        own_prox = settings.decoupled and index == 0
+        indices, share, plan = shares.of(rows)
         optimizer.zero_grad(set_to_none=True)
         stats, logp = accumulate_gradients(
-            model, batch.select(rows), None if own_prox else prox[rows], split, temperature, **loss_options
+            model, share, None if own_prox else prox[indices], plan, settings.temperature, settings.loss,
+            totals=batch_totals(batch.loss_mask[chunk]), reference=reference,
         )
         if own_prox:
-            prox[rows] = logp
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            prox[indices[: len(rows)]] = logp[: len(rows)]
+        gathered = ranks.gather(stats)
+        grad_norm = clip_gradients(model, settings.grad_clip)
         optimizer.step()
-        parts.append({**stats, "grad_norm": grad_norm.item()})
-    prox_behav_abs_diff = (prox - batch.behav_logp)[batch.loss_mask.bool()].abs().mean().item()
-    return {**combine(parts, statistics.fmean), "prox_behav_abs_diff": prox_behav_abs_diff}
+        parts.append({**combine(gathered, math.fsum), "grad_norm": grad_norm})
+    own = [r for rows in mine for r in rows]
+    return {**combine(parts, statistics.fmean), "prox_behav_abs_diff": prox_behav_abs_diff(batch, prox, own, ranks)}
+
+
+def prox_behav_abs_diff(batch: TrainBatch, prox: torch.Tensor, own: list[int], ranks: Collective) -> float:
+    """Mean |log pi_prox - log pi_behav| over the completion tokens of the whole batch (each rank knows
+    pi_prox on its own rows only): how far behind the rollout weights were."""
+    rows = torch.tensor(own, dtype=torch.long, device=batch.input_ids.device)  # [n]
+    mask = batch.loss_mask[rows].bool()  # [n, T-1]
+    diff = torch.stack([(prox[rows] - batch.behav_logp[rows])[mask].abs().sum(), mask.sum().float()])  # [2]
+    total = ranks.sum(diff)
+    return (total[0] / total[1]).item()

@@ -1,0 +1,277 @@
+"""Worker loops on the in-memory transport: what each loop promises, in seconds, without a broker.
+
+Integration and e2e tests run the same loops on the real broker; these pin the
+loop logic itself (commits, dead letters, interruption, restart) where it is cheap
+to set up exactly the situation under test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from pipeline.config import load_config, resolve
+from pipeline.demo_model import build_model, build_tokenizer
+from schemas.config import RunConfig
+from schemas.messages import BatchManifest, DeadLetter, PromptGroup, Scored, Segment, WeightVersion
+from topics.memory import MemoryTransport
+from topics.names import TopicLayout
+from workers import runtime
+from workers.reward import worker as reward_worker
+from workers.rollout import worker as rollout_worker
+from workers.trainer import worker as trainer_worker
+from workers.trainer.model import checkpoints_dir
+from workers.weights import unique_state_dict, write_version
+
+GROUP = PromptGroup(prompt_id="e0-r1", row_index=1, epoch=0, release_index=0, released_at_version=3,
+                    prompt_text="47+8=", prompt_tokens=[], answer="55", n_samples=2)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("model")
+    build_model(path, build_tokenizer(path), seed=0)
+    return path
+
+
+def config_for(tmp_path: Path, model_dir: Path, *overrides: str) -> RunConfig:
+    return resolve(load_config(None, [f"runs_dir={tmp_path}", "name=loop", f"model.path={model_dir}",
+                                      "broker.bootstrap=memory", *overrides]))
+
+
+async def wait_for(condition: Callable[[], bool], timeout_s: float = 10) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("timed out waiting for the worker")
+
+
+async def run_until(main: Awaitable[None], stop: asyncio.Event, done: Callable[[], bool]) -> None:
+    """Run a worker's main until `done()` holds, then stop it and wait for its clean end."""
+    task = asyncio.create_task(main)
+    try:
+        await wait_for(lambda: done() or task.done())
+        assert done(), "the worker ended before it got there"
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+def segment(tokenizer, trajectory: str, attempt: str, index: int, version: int, text: str, reason: str,
+            group: PromptGroup | None = None) -> Segment:
+    ids = tokenizer(text)["input_ids"] + ([tokenizer.eos_token_id] if reason == "stop" else [])
+    return Segment(trajectory_id=trajectory, attempt=attempt, segment_index=index, version=version, token_ids=ids,
+                   logprobs=[-0.5] * len(ids), finish_reason=reason, worker_id="w", group=group)
+
+
+async def test_reward_loop_first_finished_attempt_wins_and_poison_goes_to_dead_letter(tmp_path, model_dir):
+    tokenizer = build_tokenizer(model_dir)
+    config = config_for(tmp_path, model_dir, "data.n_samples=2")
+    transport = MemoryTransport(TopicLayout())
+    broker = transport.broker
+    async with transport.outbox() as outbox:
+        for message in [
+            segment(tokenizer, "e0-r1/0", "a:0", 0, 3, "5", "interrupted", GROUP),
+            segment(tokenizer, "e0-r1/0", "b:0", 1, 5, "5", "stop"),  # before its segment 0
+            segment(tokenizer, "e0-r1/0", "b:0", 0, 4, "5", "interrupted", GROUP),
+            segment(tokenizer, "e0-r1/0", "a:0", 1, 4, "6", "stop"),  # attempt a finishes late: ignored
+        ]:
+            await outbox.send("segments", message, key="k")
+        await broker.append(transport.layout.name("segments"), b"\x00poison", b"k", [])
+        await outbox.send("segments", segment(tokenizer, "e0-r1/1", "b:1", 0, 4, "54", "stop", GROUP), key="k")
+
+    stop = asyncio.Event()
+    scored = lambda: broker.messages("scored", Scored)  # noqa: E731
+    await run_until(reward_worker.main(config, stop, transport), stop, lambda: len(scored()) == 2)
+
+    by_id = {s.trajectory_id: s for s in scored()}
+    assert by_id["e0-r1/0"].attempt == "b:0" and by_id["e0-r1/0"].versions == [4, 5, 5]
+    assert by_id["e0-r1/0"].reward == 1.0 and by_id["e0-r1/1"].reward == 0.0  # the record after the poison
+    (letter,) = broker.messages("dead-letter", DeadLetter)
+    assert letter.payload == b"\x00poison" and letter.offset == 4 and "not a valid Segment" in letter.reason
+    assert broker.committed[("reward", transport.layout.name("segments"))] == {0: 6}  # everything processed
+
+
+async def test_reward_loop_commits_nothing_past_an_unfinished_attempt(tmp_path, model_dir):
+    tokenizer = build_tokenizer(model_dir)
+    config = config_for(tmp_path, model_dir, "data.n_samples=2")
+    transport = MemoryTransport(TopicLayout())
+    async with transport.outbox() as outbox:
+        await outbox.send("segments", segment(tokenizer, "e0-r1/0", "a:0", 0, 3, "5", "interrupted", GROUP), key="k")
+        await outbox.send("segments", segment(tokenizer, "e0-r1/1", "a:1", 0, 3, "55", "stop", GROUP), key="k")
+    stop = asyncio.Event()
+    scored = lambda: transport.broker.messages("scored", Scored)  # noqa: E731
+    await run_until(reward_worker.main(config, stop, transport), stop, lambda: len(scored()) == 1)
+    # offset 0 (an attempt still waiting for its end) is not processed: a restart must read it again
+    assert transport.broker.committed[("reward", transport.layout.name("segments"))] == {0: 0}
+
+
+class GatedEngine:
+    """The real engine, stopping before decode step `gate_at` until the test opens the gate."""
+
+    def __init__(self, engine, gate_at: int):
+        self.engine, self.gate_at, self.steps = engine, gate_at, 0
+        self.reached, self.gate = threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def step(self):
+        self.steps += 1
+        if self.steps == self.gate_at:
+            self.reached.set()
+            self.gate.wait(10)
+        return self.engine.step()
+
+
+def rollout_setup(tmp_path, model_dir, monkeypatch, gate_at: int):
+    config = config_for(tmp_path, model_dir, "data.n_samples=2", "rollout.max_new_tokens=100", "rollout.top_k=3")
+    gated: list[GatedEngine] = []
+
+    def make_gated_engine(cfg):
+        gated.append(GatedEngine(real_make_engine(cfg), gate_at))
+        return gated[0]
+
+    real_make_engine = rollout_worker.make_engine
+    monkeypatch.setattr(rollout_worker, "make_engine", make_gated_engine)
+    return config, gated
+
+
+def announce(config: RunConfig, version: int, seed: int, corrupt: bool = False) -> WeightVersion:
+    """Weights of another model written as the trainer writes them; `corrupt` flips a byte after hashing."""
+    model = AutoModelForCausalLM.from_pretrained(config.model.path)
+    torch.manual_seed(seed)
+    for parameter in model.parameters():
+        parameter.data.add_(torch.randn_like(parameter) * 0.5)
+    path, digest = write_version(unique_state_dict(model), runtime.weights_dir(config), version, keep=8)
+    if corrupt:
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    return WeightVersion(version=version, uri=str(path), content_hash=digest, step=version, groups_consumed=0,
+                         groups_dropped=0)
+
+
+async def test_rollout_loop_a_new_version_interrupts_and_the_group_commits_when_all_are_out(
+        tmp_path, model_dir, monkeypatch):
+    config, gated = rollout_setup(tmp_path, model_dir, monkeypatch, gate_at=4)
+    transport, stop = MemoryTransport(TopicLayout()), asyncio.Event()
+    prompts = transport.layout.name("prompts")
+    group = msgspec.structs.replace(GROUP, released_at_version=0, prompt_tokens=build_tokenizer(model_dir)("47+8=")["input_ids"])
+    async with transport.outbox() as outbox:
+        await outbox.send_now("prompts", group, key=group.prompt_id)
+        task = asyncio.create_task(rollout_worker.main(config, stop, transport))
+        try:
+            await wait_for(lambda: bool(gated) and gated[0].reached.is_set())
+            await outbox.send_now("weights", announce(config, 1, seed=1))
+            await asyncio.sleep(0.6)  # past a commit period while the group is in flight
+            assert transport.broker.committed.get(("rollout", prompts), {}).get(0, 0) == 0
+            gated[0].gate.set()
+            segments = lambda: transport.broker.messages("segments", Segment)  # noqa: E731
+            await wait_for(lambda: sum(s.finish_reason != "interrupted" for s in segments()) == 2)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 10)
+    for sample in ("e0-r1/0", "e0-r1/1"):
+        parts = [s for s in segments() if s.trajectory_id == sample]
+        assert [s.finish_reason for s in parts][0] == "interrupted" and len(parts) == 2
+        assert [s.version for s in parts] == [0, 1] and len(parts[0].token_ids) == 4  # step 4 was under way at v0
+        assert parts[0].group == group and parts[1].group is None and parts[1].segment_index == 1
+    assert gated[0].engine.version == 1
+    assert transport.broker.committed[("rollout", prompts)] == {0: 1}  # all trajectories out: committed
+
+
+async def test_rollout_loop_refuses_a_corrupted_weight_file_and_keeps_its_weights(tmp_path, model_dir, monkeypatch):
+    config, gated = rollout_setup(tmp_path, model_dir, monkeypatch, gate_at=0)
+    transport, stop = MemoryTransport(TopicLayout()), asyncio.Event()
+    letters = lambda: transport.broker.messages("dead-letter", DeadLetter)  # noqa: E731
+    missing = msgspec.structs.replace(announce(config, 2, seed=2), uri=str(tmp_path / "gone.safetensors"))
+    async with transport.outbox() as outbox:
+        await outbox.send_now("weights", announce(config, 1, seed=1, corrupt=True))
+        task = asyncio.create_task(rollout_worker.main(config, stop, transport))
+        try:
+            await wait_for(lambda: len(letters()) == 1)
+            assert gated[0].engine.version == 0
+            await outbox.send_now("weights", missing)
+            await wait_for(lambda: len(letters()) == 2)
+            await outbox.send_now("weights", announce(config, 3, seed=3))
+            await wait_for(lambda: gated[0].engine.version == 3)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 10)
+    corrupted, gone = letters()
+    assert "sha256" in corrupted.reason and corrupted.source == transport.layout.name("weights")
+    assert msgspec.msgpack.decode(corrupted.payload, type=WeightVersion).version == 1
+    assert "does not exist" in gone.reason
+
+
+def scored(group: PromptGroup, sample: int, reward: float) -> Scored:
+    completion = [5, 6, 1]
+    return Scored(trajectory_id=f"{group.prompt_id}/{sample}", prompt_id=group.prompt_id, sample_index=sample,
+                  n_samples=group.n_samples, release_index=group.release_index,
+                  released_at_version=group.released_at_version, attempt="a", prompt_tokens=[7, 10, 13],
+                  completion_tokens=completion, logprobs=[-1.0] * len(completion),
+                  versions=[group.released_at_version] * len(completion), finish_reason="stop", num_segments=1,
+                  reward=reward)
+
+
+def released(n: int, version: int) -> PromptGroup:
+    return msgspec.structs.replace(GROUP, prompt_id=f"p{n}", release_index=n, released_at_version=version)
+
+
+async def publish(transport: MemoryTransport, *messages) -> None:
+    async with transport.outbox() as outbox:
+        for message in messages:
+            role = "prompts" if isinstance(message, PromptGroup) else "scored"
+            await outbox.send_now(role, message, key=message.prompt_id)
+
+
+async def test_trainer_loop_waits_for_a_straggler_at_its_staleness_deadline(tmp_path, model_dir):
+    config = config_for(tmp_path, model_dir, "trainer.batch_groups=1", "trainer.max_staleness=1", "trainer.steps=3")
+    transport, stop = MemoryTransport(TopicLayout()), asyncio.Event()
+    a, b, c = released(0, 0), released(1, 0), released(2, 1)
+    await publish(transport, a, b, c, scored(a, 0, 1.0), *(scored(b, i, i) for i in (0, 1)),
+                  *(scored(c, i, i) for i in (0, 1)))
+    manifests = lambda: transport.broker.messages("batches", BatchManifest)  # noqa: E731
+    task = asyncio.create_task(trainer_worker.main(config, stop, transport))
+    try:
+        await wait_for(lambda: len(manifests()) == 1)
+        await asyncio.sleep(0.5)  # at v1 group a (released at v0, eta 1) is due and incomplete: c must wait
+        assert [m.trajectory_ids for m in manifests()] == [["p1/0", "p1/1"]]
+        await publish(transport, scored(a, 1, 0.0))
+        await asyncio.wait_for(task, 20)  # a, then c: the run ends after 3 steps
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+    assert [m.trajectory_ids for m in manifests()] == [["p1/0", "p1/1"], ["p0/0", "p0/1"], ["p2/0", "p2/1"]]
+    assert all(not m.dropped for m in manifests())
+    assert transport.broker.messages("weights", WeightVersion)[-1].final
+
+
+async def test_trainer_loop_restart_rebuilds_the_steps_after_its_checkpoint_from_their_manifests(tmp_path, model_dir):
+    config = config_for(tmp_path, model_dir, "trainer.batch_groups=1", "trainer.max_staleness=4", "trainer.steps=3",
+                        "trainer.checkpoint.every=2", "trainer.optim.lr=1e-2")
+    transport = MemoryTransport(TopicLayout())
+    groups = [released(n, 0) for n in range(3)]
+    await publish(transport, *groups, *(scored(g, i, float(i == n % 2)) for n, g in enumerate(groups) for i in (0, 1)))
+    stop = asyncio.Event()
+    await asyncio.wait_for(trainer_worker.main(config, stop, transport), 30)
+    straight = load_file(runtime.weights_dir(config) / "v000003.safetensors")
+    # the process "died" after step 3's manifest, before its checkpoint: only step 2's is left
+    final = max(checkpoints_dir(config).iterdir())
+    final.unlink()
+    await asyncio.wait_for(trainer_worker.main(config, asyncio.Event(), transport), 30)
+    manifests = transport.broker.messages("batches", BatchManifest)
+    assert [m.step for m in manifests] == [1, 2, 3]  # step 3 redone from its manifest, no new one written
+    redone = load_file(runtime.weights_dir(config) / "v000003.safetensors")
+    assert all(torch.equal(straight[name], redone[name]) for name in straight)  # bit for bit
+    assert max(checkpoints_dir(config).iterdir()).name == final.name

@@ -1,0 +1,104 @@
+"""The transport on a Kafka-protocol broker (Apache Kafka, Tansu, ...) through aiokafka.
+
+Group inboxes share a topic with their consumer group (`<prefix><group>`) and
+forget partitions a rebalance takes away, so no commit is sent for them; other
+inboxes read every partition alone from given offsets. Whole-topic reads stop at
+the high watermark of a fetch (see topics/inspect.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from contextlib import asynccontextmanager
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+
+from topics.clients import assigned_consumer, make_group_consumer, make_producer
+from topics.inspect import raw_record
+from topics.names import TopicLayout
+from topics.readers import read_topic
+from topics.transport import (
+    CommitTracker,
+    Inbox,
+    M,
+    Outbox,
+    RawRecord,
+    RawHeaders,
+    TopicRecord,
+    Transport,
+)
+
+
+logging.getLogger("aiokafka").setLevel(logging.WARNING)  # its INFO lines (joins, rebalances) drown a worker's log
+
+
+class ProducerSink:
+    def __init__(self, producer: AIOKafkaProducer):
+        self.producer = producer
+
+    async def send(self, topic: str, value: bytes, key: bytes | None, headers: RawHeaders) -> Awaitable:
+        return await self.producer.send(topic, value, key=key, headers=headers)
+
+    async def flush(self) -> None:
+        await self.producer.flush()
+
+
+class ConsumerSource:
+    """One topic's records from an aiokafka consumer, grouped (commits) or assigned (no commits)."""
+
+    def __init__(self, consumer: AIOKafkaConsumer, topic: str, grouped: bool):
+        self.consumer, self.topic, self.grouped = consumer, topic, grouped
+
+    async def fetch(self, timeout_s: float, max_records: int | None) -> list[RawRecord]:
+        batches = await self.consumer.getmany(timeout_ms=int(timeout_s * 1000), max_records=max_records)
+        return [raw_record(r) for records in batches.values() for r in records]
+
+    async def commit(self, offsets: dict[int, int]) -> None:
+        if self.grouped:
+            await self.consumer.commit({TopicPartition(self.topic, p): o for p, o in offsets.items()})
+
+
+class ForgetRevoked(ConsumerRebalanceListener):
+    """Partitions a rebalance takes away go to another worker: no commit may be sent for them."""
+
+    def __init__(self, tracker: CommitTracker):
+        self.tracker = tracker
+
+    def on_partitions_revoked(self, revoked) -> None:
+        self.tracker.forget({tp.partition for tp in revoked})
+
+    def on_partitions_assigned(self, assigned) -> None:
+        pass
+
+
+class KafkaTransport(Transport):
+    def __init__(self, bootstrap: str, layout: TopicLayout, fetch_wait_ms: int = 200):
+        """`fetch_wait_ms`: how long a fetch waits at the broker for new records (`broker.fetch_wait_ms`)."""
+        self.bootstrap, self.layout, self.fetch_wait_ms = bootstrap, layout, fetch_wait_ms
+
+    @asynccontextmanager
+    async def outbox(self) -> AsyncIterator[Outbox]:
+        async with make_producer(self.bootstrap, linger_ms=5) as producer:
+            yield Outbox(ProducerSink(producer), self.layout)
+
+    @asynccontextmanager
+    async def inbox(self, role: str, cls: type[M], outbox: Outbox, *, origin: str, group: str | None = None,
+                    start_offsets: Mapping[int, int] | None = None,
+                    max_records: int | None = None) -> AsyncIterator[Inbox[M]]:
+        topic, wait = self.layout.name(role), {"fetch_max_wait_ms": self.fetch_wait_ms}
+        if group is None:
+            async with assigned_consumer(self.bootstrap, topic, start_offsets, **wait) as consumer:
+                yield Inbox(ConsumerSource(consumer, topic, grouped=False), cls, outbox, role=role, origin=origin,
+                            start_offsets=start_offsets, max_records=max_records)
+            return
+        source = ConsumerSource(None, topic, grouped=True)  # the consumer needs the inbox's tracker first
+        inbox = Inbox(source, cls, outbox, role=role, origin=origin, max_records=max_records)
+        listener = ForgetRevoked(inbox.commits)
+        async with make_group_consumer(self.bootstrap, topic, self.layout.prefix + group, listener, **wait) as consumer:
+            source.consumer = consumer
+            yield inbox
+
+    async def read_all(self, role: str, cls: type[M]) -> list[TopicRecord]:
+        return await read_topic(self.bootstrap, self.layout.name(role), cls)
+

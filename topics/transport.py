@@ -1,0 +1,254 @@
+"""The message transport every worker talks to, whatever carries the bytes.
+
+A worker sends through one `Outbox` and receives through `Inbox`es; both speak
+Messages and topic roles ("prompts"), never broker names or client objects. The
+rules every worker used to write by hand live here, once:
+
+- an inbox decodes each record; bytes that do not decode go to `dead-letter` with
+  the reason (delivery awaited) and count as processed;
+- a worker marks a delivery `done` once everything it caused is sent; `commit`
+  then flushes the outbox and commits, per partition, up to the first delivery
+  not yet done, at most once per commit period, so a restarted worker re-reads
+  exactly what was still in flight;
+- `WeightsFollower` keeps the newest announced weight version.
+
+Two implementations: `topics.kafka.KafkaTransport` (aiokafka, any Kafka-protocol
+broker) and `topics.memory.MemoryTransport` (one process, for unit tests of worker
+loops). Both go through the same `Inbox` and `Outbox` below; they differ only in
+their `RecordSource` and `RecordSink`.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Awaitable, Mapping
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Generic, NamedTuple, Protocol, TypeVar
+
+import msgspec
+from opentelemetry import context as otel_context
+
+from schemas.messages import DeadLetter, DecodeError, Message, WeightVersion, decode, encode
+from topics.names import DEAD_LETTER, TopicLayout
+from topics.tracing import context_of_headers
+
+M = TypeVar("M", bound=Message)
+
+SCHEMA_HEADER = "schema"  # the struct's name, so replay tools can decode any topic
+COMMIT_PERIOD_S = 0.5  # how often a group inbox commits: often enough to lose little work on a crash
+
+Key = str | int | bytes | None
+Headers = Mapping[str, str | bytes]
+RawHeaders = list[tuple[str, bytes]]
+
+
+class RawRecord(msgspec.Struct, kw_only=True):
+    """One stored record as the broker gave it, bytes untouched (also the unit of topic exports)."""
+
+    partition: int
+    offset: int
+    timestamp: int  # milliseconds since the epoch
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes]]
+
+
+@dataclass(frozen=True)
+class Delivery(Generic[M]):
+    """A decoded message and where it came from; `Inbox.done(delivery)` once it is fully processed."""
+
+    message: M
+    partition: int
+    offset: int
+    headers: RawHeaders
+
+    def trace(self) -> otel_context.Context:
+        """The trace context its producer sent along (empty if none)."""
+        return context_of_headers(self.headers)
+
+
+class RecordSource(Protocol):
+    """What an inbox reads from: one topic, some or all of its partitions."""
+
+    async def fetch(self, timeout_s: float, max_records: int | None) -> list[RawRecord]: ...
+
+    async def commit(self, offsets: dict[int, int]) -> None: ...
+
+
+class RecordSink(Protocol):
+    """What an outbox writes to; `send` returns once the record is queued, its awaitable once delivered."""
+
+    async def send(self, topic: str, value: bytes, key: bytes | None, headers: RawHeaders) -> Awaitable: ...
+
+    async def flush(self) -> None: ...
+
+
+class Outbox:
+    """Keyed sends of Messages to topic roles, with the schema header and any trace headers."""
+
+    def __init__(self, sink: RecordSink, layout: TopicLayout):
+        self.sink, self.layout = sink, layout
+
+    async def send(self, role: str, message: Message, *, key: Key = None, headers: Headers | None = None) -> Awaitable:
+        """Queue `message` on `role`'s topic (batched with others); await the result for its delivery."""
+        return await self.sink.send(self.layout.name(role), encode(message), key_bytes(key), record_headers(message, headers))
+
+    async def send_now(self, role: str, message: Message, *, key: Key = None, headers: Headers | None = None) -> None:
+        """`send`, then wait until the broker has the record."""
+        await (await self.send(role, message, key=key, headers=headers))
+
+    async def dead_letter(self, letter: DeadLetter, headers: Headers | None = None) -> None:
+        """Put `letter` on `dead-letter`, keyed by its origin, and wait for its delivery."""
+        await self.send_now(DEAD_LETTER, letter, key=letter.origin, headers=headers)
+
+    async def flush(self) -> None:
+        await self.sink.flush()
+
+
+class CommitTracker:
+    """Per partition: the offset a worker may commit, i.e. the first one not yet fully processed."""
+
+    def __init__(self) -> None:
+        self._in_flight: dict[int, set[int]] = {}
+        self._next: dict[int, int] = {}  # one past the highest offset seen
+        self._committed: dict[int, int] = {}
+
+    def started(self, partition: int, offset: int) -> None:
+        self._in_flight.setdefault(partition, set()).add(offset)
+        self._next[partition] = max(self._next.get(partition, 0), offset + 1)
+
+    def finished(self, partition: int, offset: int) -> None:
+        self._in_flight.get(partition, set()).discard(offset)  # a forgotten partition's records no longer count
+
+    def forget(self, partitions: set[int]) -> None:
+        """Drop partitions taken away by a rebalance: their records go to another worker."""
+        for partition in partitions:
+            for table in (self._in_flight, self._next, self._committed):
+                table.pop(partition, None)
+
+    def to_commit(self) -> dict[int, int]:
+        """Per partition, the offset to commit now, where it moved since the last call."""
+        offsets = {p: min(self._in_flight.get(p) or {end}) for p, end in self._next.items()}
+        changed = {p: o for p, o in offsets.items() if self._committed.get(p) != o}
+        self._committed.update(changed)
+        return changed
+
+
+class Inbox(Generic[M]):
+    """Decoded deliveries of one topic role; bad bytes to `dead-letter`; commits of what is done."""
+
+    def __init__(self, source: RecordSource, cls: type[M], outbox: Outbox, *, role: str, origin: str,
+                 start_offsets: Mapping[int, int] | None = None, max_records: int | None = None,
+                 commit_period_s: float = COMMIT_PERIOD_S):
+        self.source, self.cls, self.outbox, self.role, self.origin = source, cls, outbox, role, origin
+        self.max_records, self.commit_period_s = max_records, commit_period_s
+        self.positions: dict[int, int] = dict(start_offsets or {})  # partition -> next offset to read
+        self.commits = CommitTracker()
+        self._last_commit = time.monotonic()
+
+    async def poll(self, timeout_s: float = 0.0) -> list[Delivery[M]]:
+        """What arrived (waiting up to `timeout_s` for something); undecodable records are dead-lettered."""
+        deliveries = []
+        for raw in await self.source.fetch(timeout_s, self.max_records):
+            self.positions[raw.partition] = raw.offset + 1
+            self.commits.started(raw.partition, raw.offset)
+            try:
+                message = decode(raw.value or b"", self.cls)  # a null value (tombstone) is not a message
+            except DecodeError as error:
+                await self._dead_letter(raw, str(error))
+                self.commits.finished(raw.partition, raw.offset)
+                continue
+            deliveries.append(Delivery(message, raw.partition, raw.offset, raw.headers))
+        return deliveries
+
+    def done(self, delivery: Delivery) -> None:
+        """Everything `delivery` caused is sent (or it needed nothing): its offset may be committed."""
+        self.commits.finished(delivery.partition, delivery.offset)
+
+    async def commit(self, *, now: bool = False) -> None:
+        """Flush the outbox, then commit what is done; at most once per commit period unless `now`."""
+        if not now and time.monotonic() - self._last_commit < self.commit_period_s:
+            return
+        if offsets := self.commits.to_commit():
+            await self.outbox.flush()  # everything sent is on the broker before its cause is committed
+            await self.source.commit(offsets)
+        self._last_commit = time.monotonic()
+
+    async def _dead_letter(self, raw: RawRecord, reason: str) -> None:
+        letter = DeadLetter(origin=self.origin, source=self.outbox.layout.name(self.role), reason=reason,
+                            payload=raw.value or b"", partition=raw.partition, offset=raw.offset)
+        await self.outbox.dead_letter(letter, {name: value for name, value in raw.headers if name != SCHEMA_HEADER})
+
+
+class WeightsFollower:
+    """Follows `weights`: the newest announcement seen (by version, then by groups dropped)."""
+
+    def __init__(self, inbox: Inbox[WeightVersion]):
+        self.inbox = inbox
+        self.latest: WeightVersion | None = None
+
+    async def poll(self, timeout_s: float = 0.0) -> WeightVersion | None:
+        """Read what was announced since the last call; the newest announcement so far (None before any)."""
+        for delivery in await self.inbox.poll(timeout_s):
+            announced = delivery.message
+            if self.latest is None or (announced.version, announced.groups_dropped) > (
+                self.latest.version, self.latest.groups_dropped
+            ):
+                self.latest = announced
+            self.inbox.done(delivery)
+        return self.latest
+
+
+class TopicRecord(NamedTuple):
+    partition: int
+    offset: int
+    message: Message | DecodeError  # the error, for bytes that do not decode
+
+
+class Transport(abc.ABC):
+    """Opens inboxes and outboxes on one run's topics (`layout`)."""
+
+    layout: TopicLayout
+
+    @abc.abstractmethod
+    def outbox(self) -> AbstractAsyncContextManager[Outbox]:
+        """An outbox, flushed when the block ends."""
+
+    @abc.abstractmethod
+    def inbox(self, role: str, cls: type[M], outbox: Outbox, *, origin: str, group: str | None = None,
+              start_offsets: Mapping[int, int] | None = None,
+              max_records: int | None = None) -> AbstractAsyncContextManager[Inbox[M]]:
+        """An inbox of `role`. `group`: share the topic with the other workers of this consumer group,
+        starting at the group's committed offsets; None: read every partition alone, from `start_offsets`
+        (partitions not named: from the beginning)."""
+
+    @abc.abstractmethod
+    async def read_all(self, role: str, cls: type[M]) -> list[TopicRecord]:
+        """Every record of `role`'s topic up to its end now, decoded (or the DecodeError), by partition and offset."""
+
+    def weights_follower(self, outbox: Outbox, *, origin: str) -> AbstractAsyncContextManager[Inbox[WeightVersion]]:
+        """An inbox of `weights` from the beginning: wrap it in `WeightsFollower`."""
+        return self.inbox("weights", WeightVersion, outbox, origin=origin)
+
+
+def record_headers(message: Message, headers: Headers | None = None) -> RawHeaders:
+    """The headers a message travels with: its struct's name, then `headers` (e.g. the W3C `traceparent`)."""
+    extra = [(name, _as_bytes(value)) for name, value in (headers or {}).items()]
+    return [(SCHEMA_HEADER, type(message).__name__.encode()), *extra]
+
+
+def key_bytes(key: Key) -> bytes | None:
+    return None if key is None else _as_bytes(key)
+
+
+def decode_or_error(value: bytes | None, cls: type[M]) -> M | DecodeError:
+    try:
+        return decode(value or b"", cls)
+    except DecodeError as error:
+        return error
+
+
+def _as_bytes(value: str | int | bytes) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()

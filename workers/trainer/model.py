@@ -1,0 +1,140 @@
+"""The trainer's model and optimizer: what every rank holds, and rank 0's holder of it.
+
+`RankModel` is one rank's part: the policy (an FSDP2 shard of it under torchrun),
+the frozen reference of the KL penalty and AdamW; its methods are the rank commands
+(`ranks.RankCommands`). `Trainer` is what the Kafka loop uses: it joins the ranks,
+restores the checkpoint, turns groups into a batch with advantages, has every rank
+run each command (`ranks.LeadRank`) and keeps the counters of `TrainerState`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from schemas.config import RunConfig
+from workers import runtime
+from workers.trainer import checkpoint
+from workers.trainer.advantages import ESTIMATORS
+from workers.trainer.buffer import Group
+from workers.trainer.distributed import Collective, close_distributed, full_state_dict, join_ranks, shard_model
+from workers.trainer.losses import LossSettings
+from workers.trainer.microbatch import allocator
+from workers.trainer.ranks import LeadRank, follow
+from workers.trainer.step import Sequences, StepSettings, collate, train_step
+from workers.weights import write_version
+
+
+def checkpoints_dir(config: RunConfig) -> Path:
+    return runtime.run_dir(config) / "checkpoints"
+
+
+def step_settings(config: RunConfig) -> StepSettings:
+    """The step's settings, built in this one place from the whole config: the loss and the logprobs
+    also need the rollout's generation budget and sampling temperature."""
+    optim, loss, split = config.trainer.optim, config.trainer.loss, config.trainer.microbatch
+    return StepSettings(
+        decoupled=loss.objective == "decoupled", minibatches=optim.minibatches, grad_clip=optim.grad_clip,
+        temperature=config.rollout.temperature,
+        split=allocator(split.mode, split.max_tokens, split.min_count, split.fixed_count),
+        loss=LossSettings(
+            clip_eps=loss.clip_eps, clip_eps_high=loss.clip_eps_high, behaviour_weight_cap=loss.behaviour_weight_cap,
+            behaviour_weight_mode=loss.behaviour_weight_mode, behaviour_weight_level=loss.behaviour_weight_level,
+            aggregation=loss.aggregation, max_new_tokens=config.rollout.max_new_tokens, kl_coef=loss.kl_coef,
+        ),
+    )
+
+
+class RankModel:
+    """One rank's policy, reference model and optimizer; its methods are the rank commands, every one a
+    collective under FSDP2 (`ranks.RankCommands`)."""
+
+    def __init__(self, config: RunConfig, ranks: Collective, device: torch.device):
+        self.config, self.ranks, self.device = config, ranks, device
+        self.settings = step_settings(config)
+        self.model = self._load()
+        if ranks.world > 1:
+            shard_model(self.model)  # before the optimizer: the parameters become sharded DTensors
+        self.reference = self._load().eval().requires_grad_(False) if config.trainer.loss.kl_coef > 0 else None
+        optim = config.trainer.optim
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay)
+
+    def _load(self) -> torch.nn.Module:
+        return AutoModelForCausalLM.from_pretrained(self.config.model.path, dtype=torch.float32).to(self.device)
+
+    def restore(self, path: Path | None) -> checkpoint.TrainerState:
+        """Model, optimizer and RNG from the checkpoint at `path` (None: the initial weights); its state."""
+        return checkpoint.load(path, self.model, self.optimizer)
+
+    def train_batch(self, sequences: Sequences, advantages: list[float]) -> dict[str, float]:
+        batch = collate(sequences, advantages, pad_id=0, device=self.device)
+        return train_step(self.model, self.optimizer, batch, self.settings, self.ranks, self.reference)
+
+    def gather_weights(self) -> dict[str, torch.Tensor]:
+        return full_state_dict(self.model)
+
+    def save_checkpoint(self, state: checkpoint.TrainerState) -> Path:
+        keep = self.config.trainer.checkpoint.keep
+        return checkpoint.save(checkpoints_dir(self.config), state, self.model, self.optimizer, keep)
+
+    def stop(self) -> None:
+        close_distributed()
+
+
+class Trainer:
+    """The model and the counters. Rank 0 calls `train`, `publish` and `save`, each run by every rank
+    (the others wait in `follow`); every rank calls `close`."""
+
+    def __init__(self, config: RunConfig, restore_from: Path | None):
+        """`restore_from`: a checkpoint to start from; None = the initial weights at model.path."""
+        self.config = config
+        self.ranks, device = join_ranks(config.model.device)
+        self.rank, self.world = self.ranks.rank, self.ranks.world
+        self.local = RankModel(config, self.ranks, device)
+        self.state = self.local.restore(restore_from)
+        self.commands = LeadRank(self.local, self.ranks)
+
+    def train(self, groups: list[Group]) -> dict[str, float]:
+        """One optimizer step on these groups (rank 0); returns the step's stats."""
+        version = self.state.step
+        rewards = torch.tensor([[s.reward for s, _ in g.trajectories()] for g in groups])  # [G, n]
+        advantages = ESTIMATORS[self.config.trainer.loss.advantage](rewards).flatten().tolist()
+        trajectories = [s for g in groups for s, _ in g.trajectories()]
+        sequences = [(s.prompt_tokens, s.completion_tokens, s.logprobs) for s in trajectories]
+        stats = self.commands.train_batch(sequences, advantages)
+        lags = [version - s.released_at_version for s in trajectories]
+        tokens = sum(len(s.completion_tokens) for s in trajectories)
+        st = self.state
+        st.step += 1
+        st.groups_consumed += len(groups)
+        st.trained_tokens += tokens
+        st.interrupted_trajectories += sum(s.num_segments > 1 for s in trajectories)
+        st.mixed_version_trajectories += sum(len(set(s.versions)) > 1 for s in trajectories)
+        st.max_staleness_trained = max(st.max_staleness_trained, *lags)
+        histogram = Counter(lags)
+        return {
+            **stats, "reward_mean": rewards.mean().item(), "tokens": tokens,
+            "staleness_mean": sum(lags) / len(lags), "staleness_max": max(lags),
+            "staleness_histogram": [histogram[lag] for lag in range(max(lags) + 1)],  # trajectories per staleness
+            "token_staleness_mean": sum(version - v for s in trajectories for v in s.versions) / max(tokens, 1),
+        }
+
+    def publish(self) -> tuple[Path, str]:
+        """Write the whole, unsharded weights of the current version to shared storage; (path, sha256)."""
+        keep = self.config.trainer.checkpoint.keep_versions
+        return write_version(self.commands.gather_weights(), runtime.weights_dir(self.config), self.state.step, keep)
+
+    def save(self) -> Path:
+        """A checkpoint of the model, optimizer and `state` as it is now (set its resume fields first)."""
+        return self.commands.save_checkpoint(self.state)
+
+    def follow(self) -> None:
+        """Ranks > 0: run what rank 0 commands until it stops."""
+        follow(self.local, self.ranks)
+
+    def close(self) -> None:
+        """Rank 0 stops the other ranks; every rank leaves the process group (again is harmless)."""
+        (self.commands if self.rank == 0 else self.local).stop()
