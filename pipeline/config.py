@@ -38,9 +38,19 @@ LEGACY_NAMES = {
     "trainer.min_microbatches": "trainer.microbatch.min_count",
     "trainer.microbatches_fixed": "trainer.microbatch.fixed_count",
     **{f"trainer.{name}": f"trainer.optim.{name}" for name in ("lr", "weight_decay", "grad_clip", "minibatches")},
-    **{f"trainer.{name}": f"trainer.loss.{name}" for name in (
-        "objective", "advantage", "clip_eps", "clip_eps_high", "behaviour_weight_cap", "behaviour_weight_mode",
-        "behaviour_weight_level", "kl_coef")},
+    **{
+        f"trainer.{name}": f"trainer.loss.{name}"
+        for name in (
+            "objective",
+            "advantage",
+            "clip_eps",
+            "clip_eps_high",
+            "behaviour_weight_cap",
+            "behaviour_weight_mode",
+            "behaviour_weight_level",
+            "kl_coef",
+        )
+    },
     "trainer.loss_aggregation": "trainer.loss.aggregation",
     "trainer.checkpoint_every": "trainer.checkpoint.every",
     "trainer.keep_checkpoints": "trainer.checkpoint.keep",

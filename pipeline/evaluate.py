@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -28,7 +28,7 @@ def greedy_accuracy(
     prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]
     seqs = generate_all(Engine(model, max_batch=max_batch), prompts, params)
     texts = tokenizer.batch_decode([s.token_ids for s in seqs], skip_special_tokens=True)
-    return sum(score_fn(text, row["answer"]) for text, row in zip(texts, rows)) / len(rows)
+    return sum(score_fn(text, row["answer"]) for text, row in zip(texts, rows, strict=True)) / len(rows)
 
 
 class Evaluator:
@@ -40,7 +40,7 @@ class Evaluator:
         self.rows, self.max_new_tokens = rows, max_new_tokens
 
     @classmethod
-    def for_config(cls, config: RunConfig) -> "Evaluator | None":
+    def for_config(cls, config: RunConfig) -> Evaluator | None:
         """None when the dataset has no held-out split (only the built-in task has one)."""
         if config.data.source != "builtin":
             return None

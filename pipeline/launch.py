@@ -67,7 +67,10 @@ class WorkerProcess:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, *worker],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
 
     def stop(self, timeout_s: float = 15.0) -> None:
@@ -137,9 +140,14 @@ def prepare(config: RunConfig, progress: bool = True) -> tuple[RunConfig, Path]:
     if not config.model.path:
         from pipeline.demo_model import prepare_demo_model
 
-        model_dir = prepare_demo_model(run_dir / "model", seed=config.seed, task_seed=config.seed,
-                                       steps=config.model.warmup_steps, progress=progress,
-                                       held_out=config.data.held_out)
+        model_dir = prepare_demo_model(
+            run_dir / "model",
+            seed=config.seed,
+            task_seed=config.seed,
+            steps=config.model.warmup_steps,
+            progress=progress,
+            held_out=config.data.held_out,
+        )
         config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=str(model_dir)))
     config = resolve(config)
     layout = runtime.topic_layout(config)  # every time: a broker may have lost its topics
@@ -175,7 +183,9 @@ def run_pipeline(config: RunConfig, progress: bool = True) -> int:
     try:
         if not config.broker.bootstrap:
             broker = EmbeddedBroker(run_dir / "broker.log").start()
-            config = msgspec.structs.replace(config, broker=msgspec.structs.replace(config.broker, bootstrap=broker.bootstrap))
+            config = msgspec.structs.replace(
+                config, broker=msgspec.structs.replace(config.broker, bootstrap=broker.bootstrap)
+            )
         config, config_path = prepare(config, progress)
         evaluator = Evaluator.for_config(config)
         base_accuracy = evaluator.accuracy() if evaluator else None
@@ -196,4 +206,3 @@ def run_pipeline(config: RunConfig, progress: bool = True) -> int:
     summary = monitor.finish(config, run_dir, evaluator, base_accuracy, outcome, started, wandb_stream)
     print(json.dumps(summary, indent=2))
     return 0 if outcome == "finished" else 1
-

@@ -18,7 +18,7 @@ import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from itertools import groupby
 from typing import Any, NamedTuple, Protocol
 
@@ -39,10 +39,10 @@ from schemas.messages import (
     decode,
 )
 from topics.assembly import Attempt
-from topics.transport import SCHEMA_HEADER
 from topics.export import TopicsExport
 from topics.inspect import RawRecord, TopicOffsets, read_records
 from topics.names import BATCHES, PROMPTS, ROLES, SCORED, SEGMENTS, TopicLayout
+from topics.transport import SCHEMA_HEADER
 from workers.reward import functions
 from workers.reward.pool import ScoringPool
 
@@ -163,7 +163,7 @@ def as_json(replayed: Replayed) -> str:
 def pretty(replayed: Replayed) -> str:
     """A heading line, then one line per field; long values are cut (--json has them whole)."""
     record, message = replayed.record, replayed.message
-    when = datetime.fromtimestamp(record.timestamp / 1000, timezone.utc).isoformat(timespec="milliseconds")
+    when = datetime.fromtimestamp(record.timestamp / 1000, UTC).isoformat(timespec="milliseconds")
     heading = (
         f"{replayed.topic} partition {record.partition} offset {record.offset}  {when}  "
         f"key={_text(record.key)!r}  {_schema_name(message)}"
@@ -229,7 +229,7 @@ async def load_step(source: RunTopics, step: int) -> StepReplay:
         len(manifests),
         [
             (trajectory_id, position, message if isinstance(message, Scored) else None)
-            for trajectory_id, position, message in zip(manifest.trajectory_ids, offsets, found)
+            for trajectory_id, position, message in zip(manifest.trajectory_ids, offsets, found, strict=True)
         ],
     )
 
@@ -240,7 +240,11 @@ def render_step(replay: StepReplay) -> str:
     lines = [
         f"step {manifest.step}  trainer version {manifest.trainer_version}  "
         f"{len(manifest.trajectory_ids)} trajectories  {len(manifest.dropped)} dropped groups"
-        + (f"  (manifest written {replay.manifest_copies} times; the last is shown)" if replay.manifest_copies > 1 else "")
+        + (
+            f"  (manifest written {replay.manifest_copies} times; the last is shown)"
+            if replay.manifest_copies > 1
+            else ""
+        )
     ]
     for trajectory_id, (partition, offset), scored in replay.trajectories:
         lines.append(_render_trained(trajectory_id, partition, offset, scored, manifest.trainer_version))
@@ -282,11 +286,17 @@ async def rescore(source: RunTopics, pool: ScoringPool, failure_reward: float, c
     async def one(scored: Scored) -> Rescored:
         group = groups.get(scored.prompt_id)
         if group is None:
-            return Rescored(scored, failure_reward, {"error": f"no prompt group {scored.prompt_id} on prompts or segments"}, True)
+            return Rescored(
+                scored, failure_reward, {"error": f"no prompt group {scored.prompt_id} on prompts or segments"}, True
+            )
         if scored.finish_reason == "error":  # the reward worker gives these the failure reward unscored
-            return Rescored(scored, failure_reward, {"error": f"generation failed: {scored.reward_details.get('error', '')}"}, True)
+            return Rescored(
+                scored, failure_reward, {"error": f"generation failed: {scored.reward_details.get('error', '')}"}, True
+            )
         async with slots:
-            reward, details = await pool.score(group.prompt_text, scored.completion_text, {**group.metadata, "answer": group.answer})
+            reward, details = await pool.score(
+                group.prompt_text, scored.completion_text, {**group.metadata, "answer": group.answer}
+            )
         return Rescored(scored, failure_reward if reward is None else reward, details, reward is None)
 
     return list(await asyncio.gather(*(one(scored) for scored in recorded.values())))
@@ -338,7 +348,7 @@ def _render_attempt(attempt: Attempt, scored: Scored | None, decode_tokens: Toke
         )
     tokens = " ".join(
         f"{_visible(decode_tokens([token]))}@v{version}"
-        for token, version in zip(attempt.token_ids, attempt.versions)
+        for token, version in zip(attempt.token_ids, attempt.versions, strict=True)
     )
     lines += [
         f"  text: {json.dumps(decode_tokens(attempt.token_ids))}",
@@ -358,7 +368,9 @@ def _attempt_fate(attempt: Attempt, scored: Scored | None) -> str:
     return f"(kept in scored: reward {scored.reward:g}, {scored.finish_reason})"
 
 
-def _render_trained(trajectory_id: str, partition: int, offset: int, scored: Scored | None, trainer_version: int) -> str:
+def _render_trained(
+    trajectory_id: str, partition: int, offset: int, scored: Scored | None, trainer_version: int
+) -> str:
     where = f"scored {partition}:{offset}"
     if scored is None:
         return f"  {trajectory_id}  {where}  MISSING: no scored record at that offset"
@@ -435,7 +447,9 @@ def replay_command(args: argparse.Namespace) -> int:
     """`replay tail|trajectory|step|rescore`: print what the run's topics recorded (or a new reward's verdict)."""
     source, config = _source_of(args)
     if args.what == "tail":
-        chosen = asyncio.run(tail(source, args.topic, message_id=args.id, from_offset=args.from_offset, limit=args.limit))
+        chosen = asyncio.run(
+            tail(source, args.topic, message_id=args.id, from_offset=args.from_offset, limit=args.limit)
+        )
         if not chosen:
             raise LookupError(f"no message on {args.topic!r} matches")
         print(("\n" if args.json else "\n\n").join(as_json(r) if args.json else pretty(r) for r in chosen))
@@ -475,7 +489,9 @@ async def rescore_run(source: RunTopics, config: RunConfig, args: argparse.Names
         msgspec.structs.replace(config, data=msgspec.structs.replace(config.data, reward=args.reward))
         functions.load(args.reward)
     except Exception as exc:  # the user's module: a syntax error or a failing import is as bad as a missing one
-        raise ConfigError(f"--reward: {exc if isinstance(exc, ValueError) else f'{type(exc).__name__}: {exc}'}") from None
+        raise ConfigError(
+            f"--reward: {exc if isinstance(exc, ValueError) else f'{type(exc).__name__}: {exc}'}"
+        ) from None
     processes = config.reward.processes if args.processes is None else args.processes
     timeout_s = config.reward.timeout_s if args.timeout is None else args.timeout
     if processes < 1 or timeout_s <= 0:

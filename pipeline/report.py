@@ -8,7 +8,7 @@ import matplotlib
 import numpy as np
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def _series(lines: list[dict], source: str, key: str) -> tuple[list[int], list[float]]:

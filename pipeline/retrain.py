@@ -64,8 +64,10 @@ def recorded_weights(config: RunConfig, step: int) -> tuple[Path, dict[str, torc
     saved = checkpoints_dir(config) / f"step_{step:06d}.pt"
     if saved.exists():
         return saved, torch.load(saved, weights_only=False)["model"]
-    raise RetrainError(f"version {step} is no longer on disk (neither {path} nor {saved}): "
-                       "raise trainer.checkpoint.keep_versions or trainer.checkpoint.keep to keep more")
+    raise RetrainError(
+        f"version {step} is no longer on disk (neither {path} nor {saved}): "
+        "raise trainer.checkpoint.keep_versions or trainer.checkpoint.keep to keep more"
+    )
 
 
 def retrain(
@@ -96,12 +98,14 @@ def render(result: Retrained) -> str:
     first = result.from_step + 1
     rebuilt = f"steps {first}..{result.step}" if first < result.step else f"step {result.step}"
     start = f"checkpoint of step {result.from_step}" if result.from_step else "the initial weights"
-    return "\n".join([
-        f"step {result.step}: {result.trajectories} trajectories; {rebuilt} retrained from {start}",
-        f"loss {result.stats['loss']:.6g}  reward mean {result.stats['reward_mean']:.4g}  "
-        f"grad norm {result.stats['grad_norm']:.6g}",
-        f"weights vs {result.compared_with}: {verdict} over {len(result.max_abs_diff)} tensors",
-    ])
+    return "\n".join(
+        [
+            f"step {result.step}: {result.trajectories} trajectories; {rebuilt} retrained from {start}",
+            f"loss {result.stats['loss']:.6g}  reward mean {result.stats['reward_mean']:.4g}  "
+            f"grad norm {result.stats['grad_norm']:.6g}",
+            f"weights vs {result.compared_with}: {verdict} over {len(result.max_abs_diff)} tensors",
+        ]
+    )
 
 
 def load_record(
@@ -109,6 +113,7 @@ def load_record(
 ) -> tuple[list[BatchManifest], dict[tuple[int, int], Scored]]:
     """Manifests and scored trajectories from raw records (of a broker or an export); records that
     do not decode were dead-lettered by the trainer and never trained, so they are left out."""
+
     def decoded(records: list[RawRecord], cls):
         for record in records:
             try:

@@ -167,7 +167,6 @@ def decode(data: bytes, cls: type[M]) -> M:
         raise DecodeError(f"not a valid {cls.__name__} message: {exc}") from exc
     if message.schema_version != SCHEMA_VERSION:
         raise DecodeError(
-            f"{cls.__name__} has schema_version {message.schema_version}, "
-            f"this build reads {SCHEMA_VERSION}"
+            f"{cls.__name__} has schema_version {message.schema_version}, this build reads {SCHEMA_VERSION}"
         )
     return message

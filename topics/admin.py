@@ -28,9 +28,7 @@ async def ensure_topics(
     Partitions cannot be added later (Tansu has no CreatePartitions), so an
     existing topic with another count is an error, not something to repair.
     """
-    wanted = {
-        name: partitions if isinstance(partitions, int) else partitions[name] for name in names
-    }
+    wanted = {name: partitions if isinstance(partitions, int) else partitions[name] for name in names}
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:

@@ -185,9 +185,7 @@ def serve_forever(port: int | None, log_path: str | os.PathLike[str]) -> None:
             print(f"broker log: {broker.log_path}; Ctrl-C stops it", file=sys.stderr, flush=True)
             while not stop_requested.wait(0.5):
                 if not broker.running:
-                    raise BrokerError(
-                        f"the broker exited on its own; end of its log:\n{broker.log_tail()}"
-                    )
+                    raise BrokerError(f"the broker exited on its own; end of its log:\n{broker.log_tail()}")
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, ConsumerRecord, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.structs import RecordMetadata
 
 from schemas.messages import Message, encode
@@ -61,7 +61,9 @@ async def send(
     The struct's name travels in the `schema` header, next to `headers`
     (e.g. the W3C `traceparent`).
     """
-    return await producer.send(topic, encode(message), key=key_bytes(key), headers=list(record_headers(message, headers)))
+    return await producer.send(
+        topic, encode(message), key=key_bytes(key), headers=list(record_headers(message, headers))
+    )
 
 
 async def send_and_wait(
@@ -144,4 +146,3 @@ async def _partitions_of(consumer: AIOKafkaConsumer, topic: str) -> list[int]:
     if topic not in await consumer.topics():
         raise LookupError(f"topic {topic!r} does not exist (run ensure_topics first)")
     return sorted(consumer.partitions_for_topic(topic) or ())
-

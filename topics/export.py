@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Iterator
-from typing import BinaryIO
 from pathlib import Path
+from typing import BinaryIO
 
 import msgspec
 from aiokafka import AIOKafkaProducer
@@ -27,8 +27,8 @@ from aiokafka import AIOKafkaProducer
 from topics.admin import ensure_topics
 from topics.clients import make_producer
 from topics.inspect import read_records, topic_offsets
-from topics.transport import RawRecord
 from topics.names import TopicLayout
+from topics.transport import RawRecord
 
 FORMAT_VERSION = 1
 
@@ -91,7 +91,7 @@ async def export_topics(bootstrap: str, path: str | os.PathLike[str], prefix: st
     target = Path(path)
     partial = target.with_name(target.name + ".partial")
     try:
-        with open(partial, "wb") as out:
+        with open(partial, "wb") as out:  # noqa: ASYNC230 - a one-shot command: nothing else runs on its loop
             _write_frame(out, header)
             for spec in layout.specs:
                 records = await read_records(bootstrap, spec.name)
@@ -148,17 +148,19 @@ async def _produce_in_order(producer: AIOKafkaProducer, topic: str, records: lis
     # in flight per partition, so each partition's order is the offset order.
     deliveries = [
         await producer.send(
-            topic, record.value, key=record.key, partition=record.partition,
-            timestamp_ms=record.timestamp, headers=record.headers,
-        )  # fmt: skip
+            topic,
+            record.value,
+            key=record.key,
+            partition=record.partition,
+            timestamp_ms=record.timestamp,
+            headers=record.headers,
+        )
         for record in records
     ]
-    for record, delivery in zip(records, deliveries):
+    for record, delivery in zip(records, deliveries, strict=True):
         landed = (await delivery).offset
         if landed != record.offset:
-            raise ExportError(
-                f"{topic} partition {record.partition}: record {record.offset} landed at offset {landed}"
-            )
+            raise ExportError(f"{topic} partition {record.partition}: record {record.offset} landed at offset {landed}")
 
 
 def _check_offsets_reproducible(role: str, records: list[RawRecord]) -> None:

@@ -64,9 +64,7 @@ async def topic_offsets(bootstrap: str, topic: str, *, timeout_s: float = 30.0) 
                 ends = await _high_watermarks(consumer, partitions)
         except TimeoutError:
             raise TimeoutError(f"no fetch of {topic!r} answered in {timeout_s} s") from None
-    return TopicOffsets(
-        topic, {tp.partition: PartitionOffsets(starts[tp], ends[tp]) for tp in partitions}
-    )
+    return TopicOffsets(topic, {tp.partition: PartitionOffsets(starts[tp], ends[tp]) for tp in partitions})
 
 
 async def describe_topics(bootstrap: str, prefix: str = "") -> list[TopicOffsets]:
@@ -74,9 +72,7 @@ async def describe_topics(bootstrap: str, prefix: str = "") -> list[TopicOffsets
     return [await topic_offsets(bootstrap, name) for name in await list_topic_names(bootstrap, prefix)]
 
 
-async def read_records(
-    bootstrap: str, topic: str, *, from_offset: int = 0, timeout_s: float = 60.0
-) -> list[RawRecord]:
+async def read_records(bootstrap: str, topic: str, *, from_offset: int = 0, timeout_s: float = 60.0) -> list[RawRecord]:
     """Every record of `topic` from `from_offset` (per partition) to its end, by partition and offset.
 
     The end is the high watermark when the call starts: records produced
@@ -94,17 +90,13 @@ async def read_records(
             raise TimeoutError(f"reading {topic!r} did not reach its end in {timeout_s} s") from None
 
 
-async def _high_watermarks(
-    consumer: AIOKafkaConsumer, partitions: list[TopicPartition]
-) -> dict[TopicPartition, int]:
+async def _high_watermarks(consumer: AIOKafkaConsumer, partitions: list[TopicPartition]) -> dict[TopicPartition, int]:
     while any(consumer.highwater(tp) is None for tp in partitions):
         await consumer.getmany(*partitions, timeout_ms=_FETCH_WAIT_MS, max_records=1)
     return {tp: consumer.highwater(tp) for tp in partitions}
 
 
-async def _read_until(
-    consumer: AIOKafkaConsumer, topic: str, ends: Mapping[int, int]
-) -> list[RawRecord]:
+async def _read_until(consumer: AIOKafkaConsumer, topic: str, ends: Mapping[int, int]) -> list[RawRecord]:
     pending = {TopicPartition(topic, p) for p in ends}
     records: list[RawRecord] = []
     while pending:

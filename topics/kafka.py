@@ -23,12 +23,11 @@ from topics.transport import (
     Inbox,
     M,
     Outbox,
-    RawRecord,
     RawHeaders,
+    RawRecord,
     TopicRecord,
     Transport,
 )
-
 
 logging.getLogger("aiokafka").setLevel(logging.WARNING)  # its INFO lines (joins, rebalances) drown a worker's log
 
@@ -83,14 +82,29 @@ class KafkaTransport(Transport):
             yield Outbox(ProducerSink(producer), self.layout)
 
     @asynccontextmanager
-    async def inbox(self, role: str, cls: type[M], outbox: Outbox, *, origin: str, group: str | None = None,
-                    start_offsets: Mapping[int, int] | None = None,
-                    max_records: int | None = None) -> AsyncIterator[Inbox[M]]:
+    async def inbox(
+        self,
+        role: str,
+        cls: type[M],
+        outbox: Outbox,
+        *,
+        origin: str,
+        group: str | None = None,
+        start_offsets: Mapping[int, int] | None = None,
+        max_records: int | None = None,
+    ) -> AsyncIterator[Inbox[M]]:
         topic, wait = self.layout.name(role), {"fetch_max_wait_ms": self.fetch_wait_ms}
         if group is None:
             async with assigned_consumer(self.bootstrap, topic, start_offsets, **wait) as consumer:
-                yield Inbox(ConsumerSource(consumer, topic, grouped=False), cls, outbox, role=role, origin=origin,
-                            start_offsets=start_offsets, max_records=max_records)
+                yield Inbox(
+                    ConsumerSource(consumer, topic, grouped=False),
+                    cls,
+                    outbox,
+                    role=role,
+                    origin=origin,
+                    start_offsets=start_offsets,
+                    max_records=max_records,
+                )
             return
         source = ConsumerSource(None, topic, grouped=True)  # the consumer needs the inbox's tracker first
         inbox = Inbox(source, cls, outbox, role=role, origin=origin, max_records=max_records)
@@ -101,4 +115,3 @@ class KafkaTransport(Transport):
 
     async def read_all(self, role: str, cls: type[M]) -> list[TopicRecord]:
         return await read_topic(self.bootstrap, self.layout.name(role), cls)
-

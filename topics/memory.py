@@ -33,15 +33,23 @@ class MemoryBroker:
 
     def __init__(self, layout: TopicLayout):
         self.layout = layout
-        self.records: dict[str, list[list[RawRecord]]] = {s.name: [[] for _ in range(s.partitions)] for s in layout.specs}
+        self.records: dict[str, list[list[RawRecord]]] = {
+            s.name: [[] for _ in range(s.partitions)] for s in layout.specs
+        }
         self.committed: dict[tuple[str, str], dict[int, int]] = {}  # (group, topic) -> partition -> offset
         self.arrived = asyncio.Condition()
 
     async def append(self, topic: str, value: bytes | None, key: bytes | None, headers: RawHeaders) -> RawRecord:
         partitions = self.records[topic]
         index = zlib.crc32(key) % len(partitions) if key is not None else 0
-        record = RawRecord(partition=index, offset=len(partitions[index]), timestamp=int(time.time() * 1000), key=key,
-                           value=value, headers=list(headers))
+        record = RawRecord(
+            partition=index,
+            offset=len(partitions[index]),
+            timestamp=int(time.time() * 1000),
+            key=key,
+            value=value,
+            headers=list(headers),
+        )
         partitions[index].append(record)
         async with self.arrived:
             self.arrived.notify_all()
@@ -89,7 +97,7 @@ class MemorySource:
 
     def _pending(self) -> list[RawRecord]:
         partitions = self.broker.records[self.topic]
-        return [r for p, records in enumerate(partitions) for r in records[self.next[p]:]]
+        return [r for p, records in enumerate(partitions) for r in records[self.next[p] :]]
 
 
 class MemoryTransport(Transport):
@@ -102,9 +110,17 @@ class MemoryTransport(Transport):
         yield Outbox(MemorySink(self.broker), self.layout)
 
     @asynccontextmanager
-    async def inbox(self, role: str, cls: type[M], outbox: Outbox, *, origin: str, group: str | None = None,
-                    start_offsets: Mapping[int, int] | None = None,
-                    max_records: int | None = None) -> AsyncIterator[Inbox[M]]:
+    async def inbox(
+        self,
+        role: str,
+        cls: type[M],
+        outbox: Outbox,
+        *,
+        origin: str,
+        group: str | None = None,
+        start_offsets: Mapping[int, int] | None = None,
+        max_records: int | None = None,
+    ) -> AsyncIterator[Inbox[M]]:
         topic = self.layout.name(role)
         start = self.broker.committed.get((group, topic), {}) if group is not None else (start_offsets or {})
         source = MemorySource(self.broker, topic, start, group)

@@ -41,10 +41,7 @@ class TopicLayout:
         (roles left out get 1). `weights` always has exactly one partition."""
         counts = _partition_counts(partitions)
         self.prefix = prefix
-        self._specs = {
-            role: TopicSpec(role, prefix + role, counts[role], TOPIC_MESSAGE[role])
-            for role in ROLES
-        }
+        self._specs = {role: TopicSpec(role, prefix + role, counts[role], TOPIC_MESSAGE[role]) for role in ROLES}
 
     def name(self, role: str) -> str:
         return self.spec(role).name

@@ -93,7 +93,9 @@ class Outbox:
 
     async def send(self, role: str, message: Message, *, key: Key = None, headers: Headers | None = None) -> Awaitable:
         """Queue `message` on `role`'s topic (batched with others); await the result for its delivery."""
-        return await self.sink.send(self.layout.name(role), encode(message), key_bytes(key), record_headers(message, headers))
+        return await self.sink.send(
+            self.layout.name(role), encode(message), key_bytes(key), record_headers(message, headers)
+        )
 
     async def send_now(self, role: str, message: Message, *, key: Key = None, headers: Headers | None = None) -> None:
         """`send`, then wait until the broker has the record."""
@@ -139,9 +141,18 @@ class CommitTracker:
 class Inbox(Generic[M]):
     """Decoded deliveries of one topic role; bad bytes to `dead-letter`; commits of what is done."""
 
-    def __init__(self, source: RecordSource, cls: type[M], outbox: Outbox, *, role: str, origin: str,
-                 start_offsets: Mapping[int, int] | None = None, max_records: int | None = None,
-                 commit_period_s: float = COMMIT_PERIOD_S):
+    def __init__(
+        self,
+        source: RecordSource,
+        cls: type[M],
+        outbox: Outbox,
+        *,
+        role: str,
+        origin: str,
+        start_offsets: Mapping[int, int] | None = None,
+        max_records: int | None = None,
+        commit_period_s: float = COMMIT_PERIOD_S,
+    ):
         self.source, self.cls, self.outbox, self.role, self.origin = source, cls, outbox, role, origin
         self.max_records, self.commit_period_s = max_records, commit_period_s
         self.positions: dict[int, int] = dict(start_offsets or {})  # partition -> next offset to read
@@ -177,8 +188,14 @@ class Inbox(Generic[M]):
         self._last_commit = time.monotonic()
 
     async def _dead_letter(self, raw: RawRecord, reason: str) -> None:
-        letter = DeadLetter(origin=self.origin, source=self.outbox.layout.name(self.role), reason=reason,
-                            payload=raw.value or b"", partition=raw.partition, offset=raw.offset)
+        letter = DeadLetter(
+            origin=self.origin,
+            source=self.outbox.layout.name(self.role),
+            reason=reason,
+            payload=raw.value or b"",
+            partition=raw.partition,
+            offset=raw.offset,
+        )
         await self.outbox.dead_letter(letter, {name: value for name, value in raw.headers if name != SCHEMA_HEADER})
 
 
@@ -194,7 +211,8 @@ class WeightsFollower:
         for delivery in await self.inbox.poll(timeout_s):
             announced = delivery.message
             if self.latest is None or (announced.version, announced.groups_dropped) > (
-                self.latest.version, self.latest.groups_dropped
+                self.latest.version,
+                self.latest.groups_dropped,
             ):
                 self.latest = announced
             self.inbox.done(delivery)
@@ -217,9 +235,17 @@ class Transport(abc.ABC):
         """An outbox, flushed when the block ends."""
 
     @abc.abstractmethod
-    def inbox(self, role: str, cls: type[M], outbox: Outbox, *, origin: str, group: str | None = None,
-              start_offsets: Mapping[int, int] | None = None,
-              max_records: int | None = None) -> AbstractAsyncContextManager[Inbox[M]]:
+    def inbox(
+        self,
+        role: str,
+        cls: type[M],
+        outbox: Outbox,
+        *,
+        origin: str,
+        group: str | None = None,
+        start_offsets: Mapping[int, int] | None = None,
+        max_records: int | None = None,
+    ) -> AbstractAsyncContextManager[Inbox[M]]:
         """An inbox of `role`. `group`: share the topic with the other workers of this consumer group,
         starting at the group's committed offsets; None: read every partition alone, from `start_offsets`
         (partitions not named: from the beginning)."""

@@ -110,44 +110,80 @@ class Cursor:
 INITIAL = WeightVersion(version=0, uri="", content_hash="", step=0, groups_consumed=0, groups_dropped=0)
 
 
+class Source:
+    """The dataset as prompt groups: in seeded order, after what `prompts` already holds, within the bound."""
+
+    def __init__(self, config: RunConfig, rows: list[Row], released: list[PromptGroup]):
+        self.config, self.cursor = config, Cursor.after(rows, config.seed, released)
+        self.released = len({g.prompt_id for g in released})
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+
+    @property
+    def exhausted(self) -> bool:
+        return self.cursor.epoch >= self.config.data.epochs
+
+    def may_release(self, version: WeightVersion) -> bool:
+        """Another group fits the staleness bound, and the run's steps can still train it."""
+        cfg = self.config.trainer
+        needed = cfg.steps * cfg.batch_groups + version.groups_dropped
+        return (
+            self.released < needed
+            and not self.exhausted
+            and may_release(self.released, version.version, cfg.batch_groups, cfg.max_staleness, version.groups_dropped)
+        )
+
+    def next_group(self, version: WeightVersion) -> PromptGroup:
+        row, epoch = self.cursor.take()
+        self.released += 1
+        return PromptGroup(
+            prompt_id=f"e{epoch}-r{row.index}",
+            row_index=row.index,
+            epoch=epoch,
+            release_index=self.released - 1,
+            released_at_version=version.version,
+            prompt_text=row.prompt,
+            prompt_tokens=self.tokenizer(row.prompt)["input_ids"],
+            answer=row.answer,
+            metadata=row.metadata,
+            n_samples=self.config.data.n_samples,
+        )
+
+
 async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | None = None) -> None:
     ctx = runtime.WorkerContext.start(config, "prompts", transport)
-    cfg, tokenizer = config.trainer, AutoTokenizer.from_pretrained(config.model.path)
     rows, bad = load_rows(config)
-    released = [r.message for r in await ctx.transport.read_all("prompts", PromptGroup)
-                if isinstance(r.message, PromptGroup)]
-    cursor, n_released = Cursor.after(rows, config.seed, released), len({g.prompt_id for g in released})
-    ctx.log.info("prompt source started", rows=len(rows), bad_rows=len(bad), already_released=n_released)
+    released = [
+        r.message for r in await ctx.transport.read_all("prompts", PromptGroup) if isinstance(r.message, PromptGroup)
+    ]
+    source = Source(config, rows, released)
+    ctx.log.info("prompt source started", rows=len(rows), bad_rows=len(bad), already_released=source.released)
     async with ctx.transport.outbox() as outbox, ctx.transport.weights_follower(outbox, origin=ctx.id) as inbox:
         weights = WeightsFollower(inbox)
-        for row in bad if not released else ():
-            await outbox.dead_letter(DeadLetter(origin=ctx.id, source=config.data.source, reason=str(row),
-                                                payload=row.text.encode(), offset=row.line))
+        for row in bad if not released else ():  # a restarted source sent them already
+            letter = DeadLetter(
+                origin=ctx.id, source=config.data.source, reason=str(row), payload=row.text.encode(), offset=row.line
+            )
+            await outbox.dead_letter(letter)
         if not rows:
             raise SystemExit(f"{config.data.source}: no usable rows (each bad row is on dead-letter)")
         version = INITIAL
-        while not stop.is_set() and cursor.epoch < config.data.epochs:
-            version = await weights.poll(0 if n_released == 0 else 0.1) or INITIAL
+        while not stop.is_set() and not source.exhausted:
+            version = await weights.poll(0 if source.released == 0 else 0.1) or INITIAL
             if version.final:
                 break
-            needed = cfg.steps * cfg.batch_groups + version.groups_dropped  # no group released that cannot be trained
-            while (n_released < needed and cursor.epoch < config.data.epochs
-                   and may_release(n_released, version.version, cfg.batch_groups, cfg.max_staleness,
-                                   version.groups_dropped)):
-                row, epoch = cursor.take()
-                await release(ctx, outbox, PromptGroup(
-                    prompt_id=f"e{epoch}-r{row.index}", row_index=row.index, epoch=epoch, release_index=n_released,
-                    released_at_version=version.version, prompt_text=row.prompt,
-                    prompt_tokens=tokenizer(row.prompt)["input_ids"], answer=row.answer, metadata=row.metadata,
-                    n_samples=config.data.n_samples))
-                n_released += 1
-        ctx.log.info("prompt source finished", released=n_released, version=version.version)
+            while source.may_release(version):
+                await release(ctx, outbox, source.next_group(version))
+        ctx.log.info("prompt source finished", released=source.released, version=version.version)
 
 
 async def release(ctx: runtime.WorkerContext, outbox: Outbox, group: PromptGroup) -> None:
     """One group on `prompts`, delivered, in a new trace: every span of its journey descends from this one."""
-    with ctx.tracer.start_as_current_span("release prompt", attributes={
-        "asyncrl.prompt_id": group.prompt_id, "asyncrl.release_index": group.release_index,
-        "asyncrl.version": group.released_at_version,
-    }):
+    with ctx.tracer.start_as_current_span(
+        "release prompt",
+        attributes={
+            "asyncrl.prompt_id": group.prompt_id,
+            "asyncrl.release_index": group.release_index,
+            "asyncrl.version": group.released_at_version,
+        },
+    ):
         await outbox.send_now("prompts", group, key=group.prompt_id, headers=trace_headers())

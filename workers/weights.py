@@ -90,7 +90,9 @@ def load_into(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> No
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
     tied = {name for name in missing if _is_tied(model, name, state_dict)}
     if unexpected or set(missing) - tied:
-        raise ValueError(f"weights do not match the model: missing {sorted(set(missing) - tied)}, unexpected {unexpected}")
+        raise ValueError(
+            f"weights do not match the model: missing {sorted(set(missing) - tied)}, unexpected {unexpected}"
+        )
 
 
 def _is_tied(model: torch.nn.Module, name: str, state_dict: dict[str, torch.Tensor]) -> bool:

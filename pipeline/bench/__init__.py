@@ -17,10 +17,16 @@ def machine() -> dict:
     import torch
     import transformers
 
-    return {"cpu_count": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
-            "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "platform": platform.platform()}
+    return {
+        "cpu_count": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
 
 
 def run_to_end(config: RunConfig, progress: bool) -> Path | None:

@@ -27,7 +27,7 @@ def process_table() -> dict[int, tuple[int, int, str]]:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:  # ended while we looked
             continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, ...
         table[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]), cmdline)  # utime + stime
     return table
 

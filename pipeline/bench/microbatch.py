@@ -109,10 +109,17 @@ def fixed_count(lengths: list[list[int]], budget: int) -> int:
 def build_model(s: Settings) -> Qwen2ForCausalLM:
     """A Qwen2 with random weights from the seed: the same initial weights in every process."""
     heads = max(1, s.hidden_size // 64)
-    config = Qwen2Config(vocab_size=s.vocab_size, hidden_size=s.hidden_size, num_hidden_layers=s.layers,
-                         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-                         intermediate_size=4 * s.hidden_size, max_position_embeddings=s.max_length,
-                         tie_word_embeddings=True, dtype="float32")
+    config = Qwen2Config(
+        vocab_size=s.vocab_size,
+        hidden_size=s.hidden_size,
+        num_hidden_layers=s.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        intermediate_size=4 * s.hidden_size,
+        max_position_embeddings=s.max_length,
+        tie_word_embeddings=True,
+        dtype="float32",
+    )
     torch.manual_seed(s.seed)
     return Qwen2ForCausalLM(config).to(s.device)
 
@@ -154,8 +161,14 @@ def measure(s: Settings, mode: str, count: int) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     data = workload(s)
     batches = [collate(sequences, advantages, pad_id=0, device=s.device) for sequences, advantages in data]
-    settings = StepSettings(decoupled=True, minibatches=1, grad_clip=1.0, temperature=1.0,
-                            loss=LossSettings(clip_eps=0.2), split=allocator(mode, s.budget, 1, count))
+    settings = StepSettings(
+        decoupled=True,
+        minibatches=1,
+        grad_clip=1.0,
+        temperature=1.0,
+        loss=LossSettings(clip_eps=0.2),
+        split=allocator(mode, s.budget, 1, count),
+    )
 
     def step(batch) -> dict:
         return train_step(model, optimizer, batch, settings)
@@ -172,14 +185,23 @@ def measure(s: Settings, mode: str, count: int) -> dict:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     completion_tokens = sum(len(c) for sequences, _ in data[1:] for _, c, _ in sequences)
-    return {"seconds": round(seconds, 3), "trained_tokens_per_s": round(completion_tokens / seconds, 1),
-            "microbatches_per_step": statistics.fmean(microbatches), "peak_memory_mib": round(memory.peak() / 2**20, 1)}
+    return {
+        "seconds": round(seconds, 3),
+        "trained_tokens_per_s": round(completion_tokens / seconds, 1),
+        "microbatches_per_step": statistics.fmean(microbatches),
+        "peak_memory_mib": round(memory.peak() / 2**20, 1),
+    }
 
 
 def run_in_subprocess(s: Settings, mode: str, count: int, bar: tqdm) -> dict:
     """`measure` in a fresh Python, so each mode's peak is its own; its step lines advance the bar."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
-    command = [sys.executable, "-m", "pipeline.bench.microbatch", json.dumps({**asdict(s), "mode": mode, "count": count})]
+    command = [
+        sys.executable,
+        "-m",
+        "pipeline.bench.microbatch",
+        json.dumps({**asdict(s), "mode": mode, "count": count}),
+    ]
     with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env) as child:
         result = None
         for line in child.stdout:
@@ -209,9 +231,12 @@ def benchmark(s: Settings) -> dict:
     modes = {}
     for mode in MODES:
         fastest = min(runs[mode], key=lambda r: r["seconds"])  # load from other processes only ever slows a run
-        modes[mode] = {**fastest, "seconds_all": [r["seconds"] for r in runs[mode]],
-                       "peak_memory_mib": max(r["peak_memory_mib"] for r in runs[mode]),
-                       "largest_microbatch_tokens": largest_microbatch(lengths, allocator(mode, s.budget, 1, count))}
+        modes[mode] = {
+            **fastest,
+            "seconds_all": [r["seconds"] for r in runs[mode]],
+            "peak_memory_mib": max(r["peak_memory_mib"] for r in runs[mode]),
+            "largest_microbatch_tokens": largest_microbatch(lengths, allocator(mode, s.budget, 1, count)),
+        }
     return summarize(s, count, lengths, modes)
 
 
@@ -224,34 +249,52 @@ def summarize(s: Settings, count: int, lengths: list[list[int]], modes: dict[str
         "dynamic_over_fixed": round(dynamic["trained_tokens_per_s"] / fixed["trained_tokens_per_s"], 3),
         "peak_memory_ratio": round(dynamic["peak_memory_mib"] / fixed["peak_memory_mib"], 3),
         "modes": modes,
-        "workload": {"sequence_lengths": summary([n for batch in lengths[1:] for n in batch]),
-                     "tokens_per_step": [sum(batch) for batch in lengths[1:]]},
-        "settings": {**asdict(s), "fixed_count": count,
-                     "fixed_count_rule": "smallest count whose largest micro-batch over the workload is within the budget",
-                     "prompt_lengths": list(PROMPT_LENGTHS),
-                     "completion_lengths": f"lognormal(median={TAIL_MEDIAN_FRACTION:g}*limit, sigma={TAIL_SIGMA:g}) clipped "
-                                           f"to [1, limit], limit = max_length - {PROMPT_LENGTHS[1]}",
-                     "measured": "best of repeats for tokens/s, the largest for peak memory; one warm-up step per run",
-                     "peak_memory": "torch.cuda.max_memory_allocated above the start" if s.device.startswith("cuda")
-                                    else f"VmHWM above VmRSS at the start, MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}",
-                     "train_step": "decoupled PPO, 1 minibatch, AdamW, clip_eps 0.2, grad_clip 1"},
-        "model": {"name": "Qwen2, random weights", "layers": s.layers, "hidden_size": s.hidden_size,
-                  "vocab_size": s.vocab_size, "parameters": parameters, "dtype": "float32"},
+        "workload": {
+            "sequence_lengths": summary([n for batch in lengths[1:] for n in batch]),
+            "tokens_per_step": [sum(batch) for batch in lengths[1:]],
+        },
+        "settings": {
+            **asdict(s),
+            "fixed_count": count,
+            "fixed_count_rule": "smallest count whose largest micro-batch over the workload is within the budget",
+            "prompt_lengths": list(PROMPT_LENGTHS),
+            "completion_lengths": f"lognormal(median={TAIL_MEDIAN_FRACTION:g}*limit, sigma={TAIL_SIGMA:g}) clipped "
+            f"to [1, limit], limit = max_length - {PROMPT_LENGTHS[1]}",
+            "measured": "best of repeats for tokens/s, the largest for peak memory; one warm-up step per run",
+            "peak_memory": "torch.cuda.max_memory_allocated above the start"
+            if s.device.startswith("cuda")
+            else f"VmHWM above VmRSS at the start, MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}",
+            "train_step": "decoupled PPO, 1 minibatch, AdamW, clip_eps 0.2, grad_clip 1",
+        },
+        "model": {
+            "name": "Qwen2, random weights",
+            "layers": s.layers,
+            "hidden_size": s.hidden_size,
+            "vocab_size": s.vocab_size,
+            "parameters": parameters,
+            "dtype": "float32",
+        },
         "machine": {**machine(), "torch_threads": s.threads, "device": s.device},
     }
 
 
 def table(report: dict) -> str:
     s = report["settings"]
-    lines = [f"{s['sequences']} sequences per step, lengths up to {s['max_length']}, budget {s['budget']} tokens, "
-             f"{s['steps']} steps, best of {s['repeats']}, {s['threads']} torch thread(s) on {s['device']}",
-             f"{'mode':<10} {'micro-batches/step':>18} {'largest mb':>10} {'trained tok/s':>13} {'peak MiB':>9}"]
+    lines = [
+        f"{s['sequences']} sequences per step, lengths up to {s['max_length']}, budget {s['budget']} tokens, "
+        f"{s['steps']} steps, best of {s['repeats']}, {s['threads']} torch thread(s) on {s['device']}",
+        f"{'mode':<10} {'micro-batches/step':>18} {'largest mb':>10} {'trained tok/s':>13} {'peak MiB':>9}",
+    ]
     for mode, r in report["modes"].items():
         name = f"fixed({s['fixed_count']})" if mode == "fixed" else mode
-        lines.append(f"{name:<10} {r['microbatches_per_step']:>18.1f} {r['largest_microbatch_tokens']:>10} "
-                     f"{r['trained_tokens_per_s']:>13.1f} {r['peak_memory_mib']:>9.1f}")
-    lines.append(f"dynamic/fixed: trained tokens/s {report['dynamic_over_fixed']:.2f}x, "
-                 f"peak memory {report['peak_memory_ratio']:.2f}x")
+        lines.append(
+            f"{name:<10} {r['microbatches_per_step']:>18.1f} {r['largest_microbatch_tokens']:>10} "
+            f"{r['trained_tokens_per_s']:>13.1f} {r['peak_memory_mib']:>9.1f}"
+        )
+    lines.append(
+        f"dynamic/fixed: trained tokens/s {report['dynamic_over_fixed']:.2f}x, "
+        f"peak memory {report['peak_memory_ratio']:.2f}x"
+    )
     return "\n".join(lines)
 
 
@@ -273,9 +316,19 @@ def check(s: Settings) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    s = Settings(sequences=args.sequences, steps=args.steps, max_length=args.max_length, budget=args.budget,
-                 hidden_size=args.hidden_size, layers=args.layers, vocab_size=args.vocab_size, repeats=args.repeats,
-                 seed=args.seed, threads=args.threads, device=args.device)
+    s = Settings(
+        sequences=args.sequences,
+        steps=args.steps,
+        max_length=args.max_length,
+        budget=args.budget,
+        hidden_size=args.hidden_size,
+        layers=args.layers,
+        vocab_size=args.vocab_size,
+        repeats=args.repeats,
+        seed=args.seed,
+        threads=args.threads,
+        device=args.device,
+    )
     if problem := check(s):
         print(f"asyncrl: {problem}", file=sys.stderr)
         return 2

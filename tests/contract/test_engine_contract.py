@@ -49,8 +49,10 @@ def model(tmp_path_factory) -> Model:
     v0, v1 = (random_qwen2(config, seed) for seed in (0, 1))
     v0.save_pretrained(path)
     weights = tmp_path_factory.mktemp("weights")
-    return Model(path, *(WeightsFile(write_version(unique_state_dict(m), weights, v, keep=2)[0], v)
-                         for v, m in enumerate((v0, v1))))
+    return Model(
+        path,
+        *(WeightsFile(write_version(unique_state_dict(m), weights, v, keep=2)[0], v) for v, m in enumerate((v0, v1))),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +111,7 @@ def test_greedy_is_deterministic_and_stops_at_its_limits(engine):
         assert seq.versions == [0] * GREEDY.max_new_tokens and all(lp <= 0 for lp in seq.logprobs)
     free = first[1].token_ids
     stopped = generate_all(engine, [PROMPTS[1]], replace(GREEDY, stop_token_ids=(free[5],)))[0]
-    assert stopped.finish_reason == "stop" and stopped.token_ids == free[:free.index(free[5]) + 1]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free[: free.index(free[5]) + 1]
 
 
 def test_sampled_tokens_each_carry_a_logprob_and_a_version(engine):
@@ -121,8 +123,14 @@ def test_sampled_tokens_each_carry_a_logprob_and_a_version(engine):
 
 def test_a_refused_prompt_leaves_the_engine_usable(engine):
     ok = engine.submit("ok", PROMPTS[0], GREEDY)
-    refused = [("empty", [], GREEDY), ("long", [3] * 128, GREEDY), ("vocab", [3, 10 ** 6], GREEDY),
-               ("negative", [-1], GREEDY), ("params", [3], SamplingParams(top_p=0.0)), ("ok", PROMPTS[1], GREEDY)]
+    refused = [
+        ("empty", [], GREEDY),
+        ("long", [3] * 128, GREEDY),
+        ("vocab", [3, 10**6], GREEDY),
+        ("negative", [-1], GREEDY),
+        ("params", [3], SamplingParams(top_p=0.0)),
+        ("ok", PROMPTS[1], GREEDY),
+    ]
     for key, prompt, params in refused:
         with pytest.raises(ValueError):
             engine.submit(key, prompt, params)

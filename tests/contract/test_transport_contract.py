@@ -23,8 +23,17 @@ TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
 def group(n: int) -> PromptGroup:
-    return PromptGroup(prompt_id=f"p{n}", row_index=n, epoch=0, release_index=n, released_at_version=0,
-                       prompt_text="1+1=", prompt_tokens=[1, 2], answer="2", n_samples=2)
+    return PromptGroup(
+        prompt_id=f"p{n}",
+        row_index=n,
+        epoch=0,
+        release_index=n,
+        released_at_version=0,
+        prompt_text="1+1=",
+        prompt_tokens=[1, 2],
+        answer="2",
+        n_samples=2,
+    )
 
 
 def version(v: int, dropped: int = 0) -> WeightVersion:
@@ -108,13 +117,12 @@ async def test_a_reader_starts_where_told_and_read_all_sees_every_record(transpo
 
 
 async def test_the_weights_follower_keeps_the_newest_announcement(transport):
-    async with transport.outbox() as outbox:
-        async with transport.weights_follower(outbox, origin="t") as inbox:
-            follower = WeightsFollower(inbox)
-            assert await follower.poll() is None
-            for announced in (version(1), version(3), version(2), version(3, dropped=1)):
-                await outbox.send_now("weights", announced)
-            for _ in range(100):
-                if await follower.poll(0.1) == version(3, dropped=1):
-                    break
+    async with transport.outbox() as outbox, transport.weights_follower(outbox, origin="t") as inbox:
+        follower = WeightsFollower(inbox)
+        assert await follower.poll() is None
+        for announced in (version(1), version(3), version(2), version(3, dropped=1)):
+            await outbox.send_now("weights", announced)
+        for _ in range(100):
+            if await follower.poll(0.1) == version(3, dropped=1):
+                break
     assert follower.latest == version(3, dropped=1)  # an older re-announcement (a restarted trainer) never wins

@@ -12,6 +12,7 @@ extra: they run from the config.yaml that `prepare` wrote, as in compose.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -31,16 +32,22 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = {"prompts", "rollout", "reward", "trainer"}
 STEPS, GROUPS, SAMPLES = 6, 2, 4
-SMALL_RUN = [f"trainer.steps={STEPS}", f"trainer.batch_groups={GROUPS}", f"data.n_samples={SAMPLES}",
-             "model.warmup_steps=0"]
+SMALL_RUN = [
+    f"trainer.steps={STEPS}",
+    f"trainer.batch_groups={GROUPS}",
+    f"data.n_samples={SAMPLES}",
+    "model.warmup_steps=0",
+]
 COMPOSE_BOOTSTRAP, SHARED = "kafka:9092", "/shared"
 
 
 def asyncrl_services(compose: dict) -> dict[str, dict]:
     """The services built from infra/Dockerfile that `docker compose up` starts (no profile)."""
     return {
-        name: service for name, service in compose["services"].items()
-        if isinstance(service.get("build"), dict) and service["build"].get("dockerfile") == "infra/Dockerfile"
+        name: service
+        for name, service in compose["services"].items()
+        if isinstance(service.get("build"), dict)
+        and service["build"].get("dockerfile") == "infra/Dockerfile"
         and not service.get("profiles")
     }
 
@@ -83,8 +90,16 @@ def prepare_run(broker, tmp_path: Path, prefix: str, steps: int) -> tuple[dict[s
     shared.mkdir()
     prepare = services.pop("prepare")
     done = subprocess.run(
-        [*command_of(prepare, broker.bootstrap, shared), *SMALL_RUN, f"trainer.steps={steps}", f"broker.topic_prefix={prefix}"],
-        env=environment_of(prepare, broker.bootstrap, shared), capture_output=True, text=True, timeout=120,
+        [
+            *command_of(prepare, broker.bootstrap, shared),
+            *SMALL_RUN,
+            f"trainer.steps={steps}",
+            f"broker.topic_prefix={prefix}",
+        ],
+        env=environment_of(prepare, broker.bootstrap, shared),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     config_path = Path(done.stdout.strip().splitlines()[-1])  # prepare prints the config it wrote
@@ -100,8 +115,13 @@ def start_service(name: str, service: dict, broker, shared: Path, config_path: P
     role = name.split("#")[0]
     assert command[3:5] == ["worker", role] and Path(command[6]) == config_path, command
     with open(log, "wb") as out:
-        return subprocess.Popen(command, env=environment_of(service, broker.bootstrap, shared),
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            command,
+            env=environment_of(service, broker.bootstrap, shared),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def stop_services(workers: dict[str, subprocess.Popen], timeout_s: float) -> None:
@@ -117,7 +137,9 @@ def stop_services(workers: dict[str, subprocess.Popen], timeout_s: float) -> Non
             process.wait()
 
 
-def wait_for_the_trainer_then_stop(workers: dict[str, subprocess.Popen], logs: dict[str, Path], timeout_s: float) -> None:
+def wait_for_the_trainer_then_stop(
+    workers: dict[str, subprocess.Popen], logs: dict[str, Path], timeout_s: float
+) -> None:
     """The trainer ends by itself after its last step; prompts and rollout stop on the final weights
     (compose leaves them down: restart on-failure); the rest gets SIGTERM as `docker compose stop` sends."""
     try:
@@ -129,10 +151,8 @@ def wait_for_the_trainer_then_stop(workers: dict[str, subprocess.Popen], logs: d
         deadline = time.monotonic() + 20  # waiting also keeps a SIGTERM from landing mid-exit
         for name, process in workers.items():
             if name.split("#")[0] in ("prompts", "rollout"):
-                try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     process.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
         for process in workers.values():
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -140,14 +160,15 @@ def wait_for_the_trainer_then_stop(workers: dict[str, subprocess.Popen], logs: d
             process.wait(timeout=20)
     finally:
         stop_services(workers, timeout_s=10)  # on any failure: nothing left behind, everything reaped
-    assert {name: p.returncode for name, p in workers.items()} == dict.fromkeys(workers, 0), \
-        "\n".join(tail(p) for p in logs.values())
+    assert {name: p.returncode for name, p in workers.items()} == dict.fromkeys(workers, 0), "\n".join(
+        tail(p) for p in logs.values()
+    )
 
 
 async def read_run(bootstrap: str, prefix: str) -> tuple[list[BatchManifest], list[WeightVersion], list[Segment]]:
     topics = [(prefix + "batches", BatchManifest), (prefix + "weights", WeightVersion), (prefix + "segments", Segment)]
     read = [[r.message for r in await read_topic(bootstrap, topic, cls)] for topic, cls in topics]
-    for messages, (topic, cls) in zip(read, topics):
+    for messages, (topic, cls) in zip(read, topics, strict=True):
         assert all(isinstance(m, cls) for m in messages), f"undecodable record on {topic}"
     return tuple(read)
 
@@ -156,7 +177,10 @@ def test_compose_commands_make_a_whole_run(broker, tmp_path, unique_name):
     prefix, started = unique_name("compose") + ".", time.monotonic()
     services, shared, config_path = prepare_run(broker, tmp_path, prefix, STEPS)
     logs = {role: tmp_path / f"{role}.out" for role in services}
-    workers = {role: start_service(role, service, broker, shared, config_path, logs[role]) for role, service in services.items()}
+    workers = {
+        role: start_service(role, service, broker, shared, config_path, logs[role])
+        for role, service in services.items()
+    }
     wait_for_the_trainer_then_stop(workers, logs, timeout_s=max(10.0, 75 - (time.monotonic() - started)))
 
     manifests, weights, _ = asyncio.run(read_run(broker.bootstrap, prefix))
@@ -175,12 +199,17 @@ def test_scaled_up_rollout_joins_the_running_pipeline(broker, tmp_path, unique_n
     prefix = unique_name("scale") + "."
     services, shared, config_path = prepare_run(broker, tmp_path, prefix, steps=100_000)
     logs = {name: tmp_path / f"{name}.out" for name in [*services, "rollout#2"]}
-    workers = {role: start_service(role, service, broker, shared, config_path, logs[role]) for role, service in services.items()}
+    workers = {
+        role: start_service(role, service, broker, shared, config_path, logs[role])
+        for role, service in services.items()
+    }
     try:
         while not asyncio.run(read_run(broker.bootstrap, prefix))[0]:  # running: a first step was taken
             assert all(p.poll() is None for p in workers.values()), "\n".join(tail(p) for p in logs.values())
             time.sleep(0.2)
-        workers["rollout#2"] = start_service("rollout#2", services["rollout"], broker, shared, config_path, logs["rollout#2"])
+        workers["rollout#2"] = start_service(
+            "rollout#2", services["rollout"], broker, shared, config_path, logs["rollout#2"]
+        )
         deadline = time.monotonic() + 120
         while True:
             manifests, _, segments = asyncio.run(read_run(broker.bootstrap, prefix))
@@ -195,8 +224,9 @@ def test_scaled_up_rollout_joins_the_running_pipeline(broker, tmp_path, unique_n
             time.sleep(0.5)
     finally:
         stop_services(workers, timeout_s=30)  # `docker compose stop`
-    assert {name: p.returncode for name, p in workers.items()} == dict.fromkeys(workers, 0), \
-        "\n".join(tail(p) for p in logs.values())
+    assert {name: p.returncode for name, p in workers.items()} == dict.fromkeys(workers, 0), "\n".join(
+        tail(p) for p in logs.values()
+    )
     manifests, _, _ = asyncio.run(read_run(broker.bootstrap, prefix))
     trained = [t for m in manifests for t in m.trajectory_ids]
     assert len(trained) == len(set(trained)), "a trajectory was trained twice"

@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from schemas.messages import BatchManifest, PromptGroup, Scored, Segment, WeightVersion, prompt_id_of
-from topics.export import load_export
 from topics.assembly import Attempt
+from topics.export import load_export
 from topics.readers import read_topic
 
 pytestmark = pytest.mark.e2e
@@ -26,14 +26,29 @@ STEPS, GROUPS, SAMPLES = 10, 4, 4
 # A model without warm-up rarely emits its end token, so sequences run to
 # max_new_tokens and new weights arrive while many are in flight.
 SMALL_RUN = [
-    f"trainer.steps={STEPS}", f"trainer.batch_groups={GROUPS}", f"data.n_samples={SAMPLES}",
-    "model.warmup_steps=0", "rollout.max_new_tokens=40", "eval.every=0", "trainer.checkpoint.every=5",
+    f"trainer.steps={STEPS}",
+    f"trainer.batch_groups={GROUPS}",
+    f"data.n_samples={SAMPLES}",
+    "model.warmup_steps=0",
+    "rollout.max_new_tokens=40",
+    "eval.every=0",
+    "trainer.checkpoint.every=5",
 ]
 
 
 def run_pipeline(tmp_path: Path, bootstrap: str, prefix: str, *overrides: str) -> Path:
-    command = [sys.executable, "-m", "pipeline.cli", "run", *SMALL_RUN, f"runs_dir={tmp_path}",
-               f"broker.bootstrap={bootstrap}", f"broker.topic_prefix={prefix}", "--no-progress", *overrides]
+    command = [
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "run",
+        *SMALL_RUN,
+        f"runs_dir={tmp_path}",
+        f"broker.bootstrap={bootstrap}",
+        f"broker.topic_prefix={prefix}",
+        "--no-progress",
+        *overrides,
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return (tmp_path / "latest").resolve()
@@ -52,7 +67,7 @@ async def trained_view(bootstrap: str, prefix: str):
     released = {r.message.prompt_id: r.message for r in await read(bootstrap, prefix + "prompts", PromptGroup)}
     trained = {}
     for manifest in manifests:
-        for trajectory_id, where in zip(manifest.trajectory_ids, manifest.scored_offsets):
+        for trajectory_id, where in zip(manifest.trajectory_ids, manifest.scored_offsets, strict=True):
             assert scored[tuple(where)].trajectory_id == trajectory_id, "manifest offset points at another trajectory"
             trained.setdefault(trajectory_id, []).append((manifest, scored[tuple(where)]))
     return manifests, trained, released
@@ -60,14 +75,16 @@ async def trained_view(bootstrap: str, prefix: str):
 
 async def test_async_pipeline_end_to_end(broker, tmp_path, unique_name):
     prefix, eta = unique_name("async") + ".", 4
-    run_dir = run_pipeline(tmp_path, broker.bootstrap, prefix, f"trainer.max_staleness={eta}", "telemetry.sample_ratio=1")
+    run_dir = run_pipeline(
+        tmp_path, broker.bootstrap, prefix, f"trainer.max_staleness={eta}", "telemetry.sample_ratio=1"
+    )
     manifests, trained, released = await trained_view(broker.bootstrap, prefix)
 
     assert sorted(m.step for m in manifests) == list(range(1, STEPS + 1))
     # no (prompt, sample) trained twice
     assert all(len(uses) == 1 for uses in trained.values())
     assert len(trained) == STEPS * GROUPS * SAMPLES
-    for trajectory_id, [(manifest, scored)] in trained.items():
+    for [(manifest, scored)] in trained.values():
         group = released[scored.prompt_id]
         # every trained completion token carries a behaviour logprob and a version
         assert len(scored.completion_tokens) == len(scored.logprobs) == len(scored.versions) > 0
@@ -94,7 +111,12 @@ async def test_async_pipeline_end_to_end(broker, tmp_path, unique_name):
     assert summary["max_staleness_trained"] <= eta
     for artifact in ("curves.png", "metrics.jsonl", "config.yaml", "tensorboard"):
         assert (run_dir / artifact).exists(), artifact
-    assert {p.name.split("-")[0] for p in (run_dir / "logs").glob("*.jsonl")} == {"trainer", "reward", "rollout", "prompts"}
+    assert {p.name.split("-")[0] for p in (run_dir / "logs").glob("*.jsonl")} == {
+        "trainer",
+        "reward",
+        "rollout",
+        "prompts",
+    }
 
     check_one_trace_per_prompt(run_dir, prompt_id_of(next(iter(trained))))
 
@@ -114,7 +136,9 @@ def check_one_trace_per_prompt(run_dir: Path, trained_prompt: str) -> None:
     by_trace = {}
     for span in spans:
         by_trace.setdefault(span["context"]["trace_id"], []).append(span)
-    [release] = [s for s in spans if s["name"] == "release prompt" and s["attributes"]["asyncrl.prompt_id"] == trained_prompt]
+    [release] = [
+        s for s in spans if s["name"] == "release prompt" and s["attributes"]["asyncrl.prompt_id"] == trained_prompt
+    ]
     journey = by_trace[release["context"]["trace_id"]]
     services = {s["resource"]["attributes"]["service.name"] for s in journey}
     assert services == {"asyncrl-prompts", "asyncrl-rollout", "asyncrl-reward", "asyncrl-trainer"}
@@ -122,14 +146,16 @@ def check_one_trace_per_prompt(run_dir: Path, trained_prompt: str) -> None:
     ids = {s["context"]["span_id"] for s in journey}
     assert all(s["parent_id"] in ids for s in journey if s is not release)  # one tree rooted at the release
     assert {s["attributes"]["asyncrl.trajectory_id"] for s in journey if s["name"] == "score trajectory"} == {
-        f"{trained_prompt}/{i}" for i in range(SAMPLES)}
+        f"{trained_prompt}/{i}" for i in range(SAMPLES)
+    }
 
 
 async def test_eta_zero_is_synchronous(broker, tmp_path, unique_name):
     """Also the launcher's multi-rank trainer: two FSDP2 ranks under torchrun."""
     prefix = unique_name("sync") + "."
-    run_dir = run_pipeline(tmp_path, broker.bootstrap, prefix, "trainer.max_staleness=0", f"trainer.steps={STEPS // 2}",
-                           "trainer.ranks=2")
+    run_dir = run_pipeline(
+        tmp_path, broker.bootstrap, prefix, "trainer.max_staleness=0", f"trainer.steps={STEPS // 2}", "trainer.ranks=2"
+    )
     assert '"ranks": 2' in "".join(log.read_text() for log in (run_dir / "logs").glob("trainer-*.jsonl"))
     manifests, trained, released = await trained_view(broker.bootstrap, prefix)
     assert len(manifests) == STEPS // 2 and len(trained) == STEPS // 2 * GROUPS * SAMPLES
@@ -157,8 +183,16 @@ def _processes_mentioning(text: str) -> list[int]:
 
 def test_ctrl_c_stops_every_process(tmp_path):
     """SIGINT to `asyncrl run` (what Ctrl-C sends) leaves no worker and no broker behind."""
-    command = [sys.executable, "-m", "pipeline.cli", "run", *SMALL_RUN, "trainer.steps=1000",
-               f"runs_dir={tmp_path}", "--no-progress"]
+    command = [
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "run",
+        *SMALL_RUN,
+        "trainer.steps=1000",
+        f"runs_dir={tmp_path}",
+        "--no-progress",
+    ]
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
@@ -189,19 +223,34 @@ async def test_trainer_killed_mid_run_trains_everything_exactly_once(broker, tmp
     """SIGKILL the trainer after a checkpoint; the launcher restarts it and the run still trains
     every group exactly once: steps after the checkpoint are rebuilt from their manifests."""
     prefix, steps = unique_name("kill") + ".", 14
-    command = [sys.executable, "-m", "pipeline.cli", "run", *SMALL_RUN, f"trainer.steps={steps}",
-               f"runs_dir={tmp_path}", f"broker.bootstrap={broker.bootstrap}", f"broker.topic_prefix={prefix}",
-               "--no-progress"]
+    command = [
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "run",
+        *SMALL_RUN,
+        f"trainer.steps={steps}",
+        f"runs_dir={tmp_path}",
+        f"broker.bootstrap={broker.bootstrap}",
+        f"broker.topic_prefix={prefix}",
+        "--no-progress",
+    ]
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180
         metrics = tmp_path / "latest" / "metrics.jsonl"
-        while not (metrics.exists() and any(json.loads(l).get("step", 0) >= 7 for l in metrics.read_text().splitlines()
-                                              if '"trainer"' in l)):
+        while not (
+            metrics.exists()
+            and any(json.loads(l).get("step", 0) >= 7 for l in metrics.read_text().splitlines() if '"trainer"' in l)
+        ):
             assert time.monotonic() < deadline and launcher.poll() is None, "the run never reached step 7"
             time.sleep(0.1)
         run_dir = str((tmp_path / "latest").resolve())
-        [trainer] = [pid for pid in _processes_mentioning(run_dir) if "worker trainer" in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()]
+        [trainer] = [
+            pid
+            for pid in _processes_mentioning(run_dir)
+            if "worker trainer" in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        ]
         os.kill(trainer, signal.SIGKILL)
         output, _ = launcher.communicate(timeout=240)
     finally:

@@ -45,17 +45,39 @@ def recorded_stream(seed: int = 0) -> tuple[list[PromptGroup], list[Scored]]:
         version = max(0, index // GROUPS - rng.randint(0, 2))
         prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 6))]
         pid = f"row{STEPS * GROUPS - index}"  # ids sort against release order: a redo must keep the row order
-        releases.append(PromptGroup(prompt_id=pid, row_index=index, epoch=0, release_index=index,
-                                    released_at_version=version, prompt_text="", prompt_tokens=prompt,
-                                    answer="", n_samples=SAMPLES))
+        releases.append(
+            PromptGroup(
+                prompt_id=pid,
+                row_index=index,
+                epoch=0,
+                release_index=index,
+                released_at_version=version,
+                prompt_text="",
+                prompt_tokens=prompt,
+                answer="",
+                n_samples=SAMPLES,
+            )
+        )
         for sample in range(SAMPLES):
             length = rng.choice([2, 3, 4, 5, 20])
-            scored.append(Scored(
-                trajectory_id=f"{pid}/{sample}", prompt_id=pid, sample_index=sample, n_samples=SAMPLES,
-                release_index=index, released_at_version=version, attempt="rollout-0:1", prompt_tokens=prompt,
-                completion_tokens=[rng.randrange(1, VOCAB) for _ in range(length)],
-                logprobs=[-rng.uniform(0.5, 4.0) for _ in range(length)], versions=[version] * length,
-                finish_reason="stop", num_segments=1, reward=float(rng.random() < 0.5)))
+            scored.append(
+                Scored(
+                    trajectory_id=f"{pid}/{sample}",
+                    prompt_id=pid,
+                    sample_index=sample,
+                    n_samples=SAMPLES,
+                    release_index=index,
+                    released_at_version=version,
+                    attempt="rollout-0:1",
+                    prompt_tokens=prompt,
+                    completion_tokens=[rng.randrange(1, VOCAB) for _ in range(length)],
+                    logprobs=[-rng.uniform(0.5, 4.0) for _ in range(length)],
+                    versions=[version] * length,
+                    finish_reason="stop",
+                    num_segments=1,
+                    reward=float(rng.random() < 0.5),
+                )
+            )
     return releases, scored
 
 
@@ -72,11 +94,21 @@ async def record(bootstrap: str, prefix: str, releases: list[PromptGroup], score
 
 def write_config(tmp_path: Path, model_dir: Path, bootstrap: str, name: str) -> Path:
     overrides = [
-        f"name={name}", f"runs_dir={tmp_path / 'runs'}", f"model.path={model_dir}",
-        f"broker.bootstrap={bootstrap}", f"broker.topic_prefix={name}.", "broker.partitions=1",
-        f"trainer.steps={STEPS}", f"trainer.batch_groups={GROUPS}", f"data.n_samples={SAMPLES}",
-        f"trainer.checkpoint.every={CHECKPOINT_EVERY}", "trainer.optim.minibatches=2", "trainer.optim.lr=1e-2",
-        "trainer.microbatch.max_tokens=24", "trainer.loss.kl_coef=0.05", "trainer.max_staleness=4",
+        f"name={name}",
+        f"runs_dir={tmp_path / 'runs'}",
+        f"model.path={model_dir}",
+        f"broker.bootstrap={bootstrap}",
+        f"broker.topic_prefix={name}.",
+        "broker.partitions=1",
+        f"trainer.steps={STEPS}",
+        f"trainer.batch_groups={GROUPS}",
+        f"data.n_samples={SAMPLES}",
+        f"trainer.checkpoint.every={CHECKPOINT_EVERY}",
+        "trainer.optim.minibatches=2",
+        "trainer.optim.lr=1e-2",
+        "trainer.microbatch.max_tokens=24",
+        "trainer.loss.kl_coef=0.05",
+        "trainer.max_staleness=4",
     ]
     path = tmp_path / f"{name}.yaml"
     save_config(resolve(load_config(None, overrides)), path)  # as `asyncrl prepare` writes a run's config.yaml
@@ -86,8 +118,19 @@ def write_config(tmp_path: Path, model_dir: Path, bootstrap: str, name: str) -> 
 def trainer_command(config: Path, ranks: int = 1) -> list[str]:
     if ranks == 1:
         return [sys.executable, "-m", "pipeline.cli", "worker", "trainer", "--config", str(config)]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-            "-m", "pipeline.cli", "worker", "trainer", "--config", str(config)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        "-m",
+        "pipeline.cli",
+        "worker",
+        "trainer",
+        "--config",
+        str(config),
+    ]
 
 
 def run_to_end(command: list[str], log: Path) -> None:
@@ -115,8 +158,16 @@ async def manifests_of(bootstrap: str, name: str) -> list[BatchManifest]:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64, tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     path = tmp_path_factory.mktemp("model")
     Qwen2ForCausalLM(config).save_pretrained(path)
     return path
@@ -145,7 +196,9 @@ async def test_killed_and_restarted_trainer_equals_straight_run(broker, tmp_path
             deadline = time.monotonic() + 120
             # past the checkpoint of step 6, before the next: steps 7.. must be redone from their manifests
             while trained_steps(runs / killed) < 2 * CHECKPOINT_EVERY + 1:
-                assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "killed-1.log").read_text()[-3000:]
+                assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "killed-1.log").read_text()[
+                    -3000:
+                ]
                 await asyncio.sleep(0.02)
             process.send_signal(signal.SIGKILL)
         finally:
@@ -162,8 +215,12 @@ async def test_killed_and_restarted_trainer_equals_straight_run(broker, tmp_path
     assert sorted(trained) == sorted(s.trajectory_id for s in scored)
     assert [m.trajectory_ids for m in resumed] == [m.trajectory_ids for m in reference]
     # the restarted trainer started from a checkpoint before the kill and redid the steps after it
-    starts = [json.loads(line) for log in (runs / killed / "logs").glob("trainer-*.jsonl")
-              for line in log.read_text().splitlines() if '"trainer started"' in line]
+    starts = [
+        json.loads(line)
+        for log in (runs / killed / "logs").glob("trainer-*.jsonl")
+        for line in log.read_text().splitlines()
+        if '"trainer started"' in line
+    ]
     assert sorted((s["step"], s["redo"]) for s in starts)[1][0] == 2 * CHECKPOINT_EVERY
     assert 2 * CHECKPOINT_EVERY + 1 in max(s["redo"] for s in starts)
     expected, got = final_weights(straight_run[1].parent / "runs" / straight), final_weights(runs / killed)
@@ -182,15 +239,18 @@ async def test_two_fsdp2_ranks_train_the_stream_like_one_process(broker, tmp_pat
     one, two = unique_name("one"), unique_name("two")
     for name in (one, two):
         await record(broker.bootstrap, name + ".", releases, scored)
-    await asyncio.to_thread(run_to_end, trainer_command(write_config(tmp_path, model_dir, broker.bootstrap, one)),
-                            tmp_path / "one.log")
+    await asyncio.to_thread(
+        run_to_end, trainer_command(write_config(tmp_path, model_dir, broker.bootstrap, one)), tmp_path / "one.log"
+    )
     config = write_config(tmp_path, model_dir, broker.bootstrap, two)
     with (tmp_path / "two-1.log").open("w") as out:
         process = subprocess.Popen(trainer_command(config, ranks=2), stdout=out, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 120
             while trained_steps(tmp_path / "runs" / two) < 4:
-                assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "two-1.log").read_text()[-3000:]
+                assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "two-1.log").read_text()[
+                    -3000:
+                ]
                 await asyncio.sleep(0.02)
             process.send_signal(signal.SIGTERM)
             await asyncio.to_thread(process.wait, 60)
@@ -201,15 +261,18 @@ async def test_two_fsdp2_ranks_train_the_stream_like_one_process(broker, tmp_pat
     assert stopped_at < STEPS and (tmp_path / "runs" / two / "checkpoints" / f"step_{stopped_at:06d}.pt").exists()
     await asyncio.to_thread(run_to_end, trainer_command(config, ranks=2), tmp_path / "two-2.log")
 
-    assert [m.trajectory_ids for m in await manifests_of(broker.bootstrap, two)] == \
-        [m.trajectory_ids for m in await manifests_of(broker.bootstrap, one)]
+    assert [m.trajectory_ids for m in await manifests_of(broker.bootstrap, two)] == [
+        m.trajectory_ids for m in await manifests_of(broker.bootstrap, one)
+    ]
     expected, got = final_weights(tmp_path / "runs" / one), final_weights(tmp_path / "runs" / two)
     assert expected.keys() == got.keys()
     # Two ranks sum in another order than one process (one step: within 2e-6, tests/unit/test_distributed.py);
     # at lr 1e-2 Adam turns such rounding on near-zero gradients into full-size steps, compounded over the run
     # (1.3e-5 measured on a key bias). A lost optimizer state or a step trained twice moves weights by ~lr.
     for key in expected:
-        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=5e-5, msg=f"{key} after a stop at step {stopped_at}")
+        torch.testing.assert_close(
+            got[key], expected[key], rtol=0, atol=5e-5, msg=f"{key} after a stop at step {stopped_at}"
+        )
 
 
 def test_replay_retrain_rebuilds_a_step_bit_for_bit(straight_run, capsys):

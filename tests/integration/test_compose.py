@@ -74,8 +74,10 @@ def test_compose_file_is_valid():
 BROKEN = {
     "unknown depends_on condition": ("condition: service_completed_successfully", "condition: service_done"),
     "misspelt service key": ('    restart: "no"\n', '    restart: "no"\n    comand: ["prepare"]\n'),
-    "dependency on a missing service": ("      kafka: {condition: service_healthy}\n    restart: \"no\"",
-                                        "      kafka: {condition: service_healthy}\n      broker: {condition: service_started}\n    restart: \"no\""),
+    "dependency on a missing service": (
+        '      kafka: {condition: service_healthy}\n    restart: "no"',
+        '      kafka: {condition: service_healthy}\n      broker: {condition: service_started}\n    restart: "no"',
+    ),
     "GPU count not a number": ("count: 1", "count: one"),
     "not YAML": ("services:\n", "services:\n  - [\n"),
 }
@@ -130,7 +132,9 @@ def test_one_image_from_infra_dockerfile_and_a_shared_volume(model):
         service = services[name]
         assert Path(service["build"]["context"]) == ROOT, name
         assert service["build"]["dockerfile"] == "infra/Dockerfile", name
-        assert {"type": "volume", "source": "shared", "target": "/shared"}.items() <= service["volumes"][0].items(), name
+        assert {"type": "volume", "source": "shared", "target": "/shared"}.items() <= service["volumes"][0].items(), (
+            name
+        )
     assert len({services[name]["image"] for name in ("prepare", *ROLES)}) == 1  # CPU: one image
     assert "shared" in model["volumes"]
     # the image runs `asyncrl`, so a service's command is `asyncrl <command>`
@@ -189,7 +193,11 @@ def test_observability_profile(model):
     host = otel["exporters"][traces_to]["endpoint"].split(":")[0]
     assert host == "jaeger"  # traces reach the Jaeger service
     ports = {int(p["target"]) for p in collector["ports"]}
-    assert ports == {int(otel["receivers"]["otlp"]["protocols"][p]["endpoint"].rsplit(":", 1)[1]) for p in ("grpc", "http")}
+    assert ports == {
+        int(otel["receivers"]["otlp"]["protocols"][p]["endpoint"].rsplit(":", 1)[1]) for p in ("grpc", "http")
+    }
     for name in (*ROLES, "trainer-gpu", "rollout-gpu"):
         # passed through from the host: empty (spans to the run's traces.jsonl) unless the user sets it
-        assert model["services"][name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+        assert model["services"][name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == os.environ.get(
+            "OTEL_EXPORTER_OTLP_ENDPOINT", ""
+        )

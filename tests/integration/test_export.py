@@ -60,7 +60,9 @@ def stored(record) -> tuple:
     return (record.partition, record.offset, record.timestamp, record.key, record.value, record.headers)
 
 
-async def test_offsets_count_every_record_of_a_multi_record_batch(broker: EmbeddedBroker, topic_layout: TopicLayout) -> None:
+async def test_offsets_count_every_record_of_a_multi_record_batch(
+    broker: EmbeddedBroker, topic_layout: TopicLayout
+) -> None:
     async with make_producer(broker.bootstrap, linger_ms=50) as producer:
         queued = [await send(producer, topic_layout.name(SEGMENTS), segment("p/0/0", i)) for i in range(7)]
         offsets = [(await delivery).offset for delivery in queued]
@@ -109,7 +111,10 @@ def test_export_and_import_commands(
     capsys: pytest.CaptureFixture[str],
 ) -> None:  # fmt: skip
     path, prefix = tmp_path / "run.topics", unique_name("copy") + "."
-    assert main(["topics", "export", "--bootstrap", broker.bootstrap, "--prefix", wide_layout.prefix, "--out", str(path)]) == 0
+    assert (
+        main(["topics", "export", "--bootstrap", broker.bootstrap, "--prefix", wide_layout.prefix, "--out", str(path)])
+        == 0
+    )
     assert main(["topics", "import", str(path), "--bootstrap", broker.bootstrap, "--prefix", prefix]) == 0
     out = capsys.readouterr().out
     assert "exported 16 records" in out and "imported 16 records" in out

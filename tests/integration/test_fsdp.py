@@ -33,8 +33,12 @@ from workers.weights import unique_state_dict
 # rank 0 has one micro-batch and rank 1 two, so rank 0 pads with a filler micro-batch
 SHAPES = [(10, 20), (2, 2), (1, 3), (3, 2), (1, 2), (2, 4), (3, 1), (4, 1)]
 GRAD_CLIP = 0.05
-OPTIONS = dict(grad_clip=GRAD_CLIP, temperature=0.9, split=partial(allocate_dynamic, max_tokens=16),
-               loss=LossSettings(clip_eps=0.2, behaviour_weight_cap=1.5, behaviour_weight_mode="mask"))
+OPTIONS = dict(
+    grad_clip=GRAD_CLIP,
+    temperature=0.9,
+    split=partial(allocate_dynamic, max_tokens=16),
+    loss=LossSettings(clip_eps=0.2, behaviour_weight_cap=1.5, behaviour_weight_mode="mask"),
+)
 CASES = {  # 8 minibatches of one row: rank 1 has no rows and runs fillers only
     "naive, whole batch": StepSettings(decoupled=False, minibatches=1, **OPTIONS),
     "decoupled, 2 minibatches": StepSettings(decoupled=True, minibatches=2, **OPTIONS),
@@ -44,17 +48,27 @@ CASES = {  # 8 minibatches of one row: rank 1 has no rows and runs fillers only
 
 def make_model() -> Qwen2ForCausalLM:
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
-                         tie_word_embeddings=True)  # as small Qwen2 models: one tensor, two names
+    config = Qwen2Config(
+        vocab_size=32,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )  # as small Qwen2 models: one tensor, two names
     return Qwen2ForCausalLM(config).float()
 
 
 def make_batch():
     g = torch.Generator().manual_seed(1)
     sequences = [
-        (torch.randint(1, 32, (p,), generator=g).tolist(), torch.randint(1, 32, (c,), generator=g).tolist(),
-         (-3 * torch.rand(c, generator=g)).tolist())
+        (
+            torch.randint(1, 32, (p,), generator=g).tolist(),
+            torch.randint(1, 32, (c,), generator=g).tolist(),
+            (-3 * torch.rand(c, generator=g)).tolist(),
+        )
         for p, c in SHAPES
     ]
     return collate(sequences, torch.randn(len(SHAPES), generator=g).tolist(), pad_id=0)
@@ -86,8 +100,12 @@ def run_ranks(out: Path) -> None:
 def test_two_fsdp_ranks_match_one_process(tmp_path):
     out = tmp_path / "ranks.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                    __file__, str(out)], check=True, timeout=120, env=env)
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, str(out)],
+        check=True,
+        timeout=120,
+        env=env,
+    )
     results = torch.load(out)
     for name, settings in CASES.items():
         model = make_model()

@@ -46,11 +46,24 @@ async def test_rows_window_and_restart(broker, topic_layout, tmp_path):
     data = tmp_path / "rows.jsonl"
     data.write_text("\n".join(ROWS) + "\n")
     tokenizer = build_tokenizer(tmp_path / "model")
-    config = resolve(load_config(None, [
-        f"runs_dir={tmp_path}", "name=src", f"data.source={data}", "data.reward=math", f"model.path={tmp_path / 'model'}",
-        f"broker.bootstrap={broker.bootstrap}", f"broker.topic_prefix={topic_layout.prefix}",
-        "trainer.batch_groups=2", "trainer.max_staleness=0", "trainer.steps=3", "data.n_samples=3",
-    ]))
+    config = resolve(
+        load_config(
+            None,
+            [
+                f"runs_dir={tmp_path}",
+                "name=src",
+                f"data.source={data}",
+                "data.reward=math",
+                f"model.path={tmp_path / 'model'}",
+                f"broker.bootstrap={broker.bootstrap}",
+                f"broker.topic_prefix={topic_layout.prefix}",
+                "trainer.batch_groups=2",
+                "trainer.max_staleness=0",
+                "trainer.steps=3",
+                "data.n_samples=3",
+            ],
+        )
+    )
 
     # version 0, eta 0: exactly one batch (2 groups) may be out
     first = await run_source_until(config, lambda: released(broker.bootstrap, topic_layout, 2))
@@ -63,8 +76,11 @@ async def test_rows_window_and_restart(broker, topic_layout, tmp_path):
 
     # the trainer moves to version 1 and drops one group: two more batches' worth of room (2 + 1)
     async with make_producer(broker.bootstrap) as producer:
-        await send_and_wait(producer, topic_layout.name("weights"), WeightVersion(
-            version=1, uri="", content_hash="", step=1, groups_consumed=2, groups_dropped=1))
+        await send_and_wait(
+            producer,
+            topic_layout.name("weights"),
+            WeightVersion(version=1, uri="", content_hash="", step=1, groups_consumed=2, groups_dropped=1),
+        )
     # a restarted source continues after what `prompts` holds instead of re-releasing
     groups = await run_source_until(config, lambda: released(broker.bootstrap, topic_layout, 5))
     await asyncio.sleep(0.3)

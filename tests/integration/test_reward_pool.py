@@ -68,11 +68,19 @@ async def test_scorers_outlive_a_group_signal_and_close_leaves_none():
     try:
         signal_the_scorers()  # still starting: the signals are blocked from before the spawn
         # one call on each scorer (two at once), then the signals again while both are idle
-        assert await asyncio.gather(*(pool.score("p", "1", {"answer": "1"}) for _ in pids)) == [(1.0, {"prompt_seen": "p"})] * 2
+        assert (
+            await asyncio.gather(*(pool.score("p", "1", {"answer": "1"}) for _ in pids))
+            == [(1.0, {"prompt_seen": "p"})] * 2
+        )
         signal_the_scorers()
         await asyncio.sleep(0.3)
         assert [scorer.process.pid for scorer in pool._scorers if scorer.process.is_alive()] == pids
-        assert [r for r, _ in await asyncio.gather(*(pool.score("p", str(i), {"answer": "1"}) for i in range(4)))] == [0.0, 1.0, 0.0, 0.0]
+        assert [r for r, _ in await asyncio.gather(*(pool.score("p", str(i), {"answer": "1"}) for i in range(4)))] == [
+            0.0,
+            1.0,
+            0.0,
+            0.0,
+        ]
     finally:
         pool.close()
     for pid in pids:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka import AIOKafkaConsumer, ConsumerRecord
 
 from schemas.messages import (
     BatchManifest,
@@ -32,7 +32,6 @@ from topics.admin import TopicMismatchError, ensure_topics
 from topics.broker import BrokerError, EmbeddedBroker
 from topics.clients import (
     assigned_consumer,
-    make_group_consumer,
     make_producer,
     send,
     send_and_wait,
@@ -107,9 +106,13 @@ def one_of_each() -> dict[str, Message]:
             reward_details={"verifier": "math"},
         ),
         WEIGHTS: WeightVersion(
-            version=1, uri="/w/1.safetensors", content_hash="ab", step=1,
-            groups_consumed=4, groups_dropped=0,
-        ),  # fmt: skip
+            version=1,
+            uri="/w/1.safetensors",
+            content_hash="ab",
+            step=1,
+            groups_consumed=4,
+            groups_dropped=0,
+        ),
         BATCHES: BatchManifest(
             step=1,
             trainer_version=0,
@@ -350,14 +353,10 @@ async def test_malformed_bytes_go_to_dead_letter_and_the_worker_goes_on(
     assert letters[0].key == b"rollout-0"
 
 
-async def test_a_message_over_1_mib_round_trips(
-    broker: EmbeddedBroker, unique_name: Callable[[str], str]
-) -> None:
+async def test_a_message_over_1_mib_round_trips(broker: EmbeddedBroker, unique_name: Callable[[str], str]) -> None:
     topic = unique_name("prompts")
     await ensure_topics(broker.bootstrap, [topic], 1)
-    big = msgspec.structs.replace(
-        prompt_group(text="x" * (3 << 20)), prompt_tokens=list(range(300_000))
-    )
+    big = msgspec.structs.replace(prompt_group(text="x" * (3 << 20)), prompt_tokens=list(range(300_000)))
     async with make_producer(broker.bootstrap) as producer:
         await send_and_wait(producer, topic, big)
     async with assigned_consumer(broker.bootstrap, topic) as consumer:

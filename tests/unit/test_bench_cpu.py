@@ -28,8 +28,10 @@ def test_a_busy_child_uses_more_cores_than_a_sleeping_one():
     spin = "import time, sys\nend = time.time() + 2.5\nwhile time.time() < end: pass"
     rest = "import time\ntime.sleep(2.5)"
     with CpuSampler(interval_s=0.2) as cpu:
-        children = [subprocess.Popen([sys.executable, "-c", spin, "worker", "trainer"]),
-                    subprocess.Popen([sys.executable, "-c", rest, "worker", "rollout"])]
+        children = [
+            subprocess.Popen([sys.executable, "-c", spin, "worker", "trainer"]),
+            subprocess.Popen([sys.executable, "-c", rest, "worker", "rollout"]),
+        ]
         started = time.time()
         for child in children:
             child.wait()

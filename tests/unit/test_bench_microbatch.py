@@ -18,8 +18,19 @@ from pipeline.bench.microbatch import (
 )
 from pipeline.cli import main
 
-SETTINGS = Settings(sequences=64, steps=3, max_length=512, budget=1024, hidden_size=64, layers=1, vocab_size=128,
-                    repeats=1, seed=0, threads=1, device="cpu")
+SETTINGS = Settings(
+    sequences=64,
+    steps=3,
+    max_length=512,
+    budget=1024,
+    hidden_size=64,
+    layers=1,
+    vocab_size=128,
+    repeats=1,
+    seed=0,
+    threads=1,
+    device="cpu",
+)
 
 
 def test_the_workload_is_long_tailed_and_the_same_for_every_process():
@@ -43,10 +54,22 @@ def test_the_fixed_count_is_the_smallest_whose_micro_batches_fit_the_budget_in_e
 
 def test_the_report_puts_both_ratios_on_top_and_every_setting_in():
     modes = {
-        "dynamic": {"seconds": 2.0, "trained_tokens_per_s": 300.0, "microbatches_per_step": 4.0, "peak_memory_mib": 120.0,
-                    "seconds_all": [2.0], "largest_microbatch_tokens": 1024},
-        "fixed": {"seconds": 3.0, "trained_tokens_per_s": 200.0, "microbatches_per_step": 6.0, "peak_memory_mib": 100.0,
-                  "seconds_all": [3.0], "largest_microbatch_tokens": 900},
+        "dynamic": {
+            "seconds": 2.0,
+            "trained_tokens_per_s": 300.0,
+            "microbatches_per_step": 4.0,
+            "peak_memory_mib": 120.0,
+            "seconds_all": [2.0],
+            "largest_microbatch_tokens": 1024,
+        },
+        "fixed": {
+            "seconds": 3.0,
+            "trained_tokens_per_s": 200.0,
+            "microbatches_per_step": 6.0,
+            "peak_memory_mib": 100.0,
+            "seconds_all": [3.0],
+            "largest_microbatch_tokens": 900,
+        },
     }
     report = summarize(SETTINGS, 6, batch_lengths(SETTINGS), modes)
     assert (report["dynamic_over_fixed"], report["peak_memory_ratio"]) == (1.5, 1.2)
@@ -63,8 +86,33 @@ def test_settings_that_cannot_be_compared_are_refused():
 
 def test_bench_microbatch_runs_both_modes_in_their_own_processes(tmp_path):
     out = tmp_path / "microbatch.json"
-    assert main(["bench", "microbatch", "--sequences", "6", "--steps", "1", "--max-length", "80", "--budget", "160",
-                 "--hidden-size", "64", "--layers", "1", "--vocab-size", "4096", "--repeats", "1", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "microbatch",
+                "--sequences",
+                "6",
+                "--steps",
+                "1",
+                "--max-length",
+                "80",
+                "--budget",
+                "160",
+                "--hidden-size",
+                "64",
+                "--layers",
+                "1",
+                "--vocab-size",
+                "4096",
+                "--repeats",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert report["dynamic_over_fixed"] > 0 and report["peak_memory_ratio"] > 0
     for mode in report["modes"].values():

@@ -20,8 +20,12 @@ def args_for(*argv: str) -> argparse.Namespace:
 def test_quick_grid_is_eta_0_and_4_both_objectives_one_seed():
     plan = staleness.plan_for(args_for("--quick"))
     assert plan.steps == 600
-    assert staleness.grid(plan) == [Setting(0, "naive", 0), Setting(0, "decoupled", 0),
-                                    Setting(4, "naive", 0), Setting(4, "decoupled", 0)]
+    assert staleness.grid(plan) == [
+        Setting(0, "naive", 0),
+        Setting(0, "decoupled", 0),
+        Setting(4, "naive", 0),
+        Setting(4, "decoupled", 0),
+    ]
 
 
 def test_full_grid_is_every_eta_and_objective_per_seed_seed_major():
@@ -29,7 +33,8 @@ def test_full_grid_is_every_eta_and_objective_per_seed_seed_major():
     runs = staleness.grid(plan)
     assert plan.steps == 1200 and len(runs) == 5 * 2 * 3
     assert {(s.eta, s.objective, s.seed) for s in runs} == {
-        (eta, objective, seed) for eta in (0, 1, 2, 4, 8) for objective in ("naive", "decoupled") for seed in (0, 1, 2)}
+        (eta, objective, seed) for eta in (0, 1, 2, 4, 8) for objective in ("naive", "decoupled") for seed in (0, 1, 2)
+    }
     assert [s.seed for s in runs] == sorted(s.seed for s in runs)  # one seed's model serves its runs in a row
 
 
@@ -48,26 +53,57 @@ def test_each_run_config_sets_its_eta_objective_and_seed_over_the_demo():
 
 def fake_run(setting: Setting, final: float, steps: int = 100) -> tuple[dict, list[dict]]:
     """What run_pipeline leaves behind, reduced to the fields the bench reads."""
-    evals = [{"source": "eval", "step": s, "heldout_accuracy": round(0.15 + (final - 0.15) * s / steps, 3)}
-             for s in range(0, steps + 1, 25)]
-    trainer = [{"source": "trainer", "step": s, "time": 10.0 + s * 0.5, "staleness_mean": float(setting.eta),
-                "clip_fraction": 0.01 * setting.eta * (setting.objective == "naive")} for s in range(1, steps + 1)]
-    summary = {"final_accuracy": final, "base_accuracy": 0.15, "wall_seconds": 70.0, "steps": steps,
-               "max_staleness_trained": setting.eta, "groups_dropped": 0, "interrupted_trajectories": 3}
+    evals = [
+        {"source": "eval", "step": s, "heldout_accuracy": round(0.15 + (final - 0.15) * s / steps, 3)}
+        for s in range(0, steps + 1, 25)
+    ]
+    trainer = [
+        {
+            "source": "trainer",
+            "step": s,
+            "time": 10.0 + s * 0.5,
+            "staleness_mean": float(setting.eta),
+            "clip_fraction": 0.01 * setting.eta * (setting.objective == "naive"),
+        }
+        for s in range(1, steps + 1)
+    ]
+    summary = {
+        "final_accuracy": final,
+        "base_accuracy": 0.15,
+        "wall_seconds": 70.0,
+        "steps": steps,
+        "max_staleness_trained": setting.eta,
+        "groups_dropped": 0,
+        "interrupted_trajectories": 3,
+    }
     return summary, [*trainer, *evals]
 
 
-FINALS = {("naive", 0): [0.5, 0.54], ("decoupled", 0): [0.52, 0.5], ("naive", 4): [0.3, 0.34], ("decoupled", 4): [0.5, 0.56]}
+FINALS = {
+    ("naive", 0): [0.5, 0.54],
+    ("decoupled", 0): [0.52, 0.5],
+    ("naive", 4): [0.3, 0.34],
+    ("decoupled", 4): [0.5, 0.56],
+}
 
 
 def fake_rows() -> list[dict]:
-    return [staleness.measure(Setting(eta, objective, seed), *fake_run(Setting(eta, objective, seed), finals[seed]))
-            for (objective, eta), finals in FINALS.items() for seed in (0, 1)]
+    return [
+        staleness.measure(Setting(eta, objective, seed), *fake_run(Setting(eta, objective, seed), finals[seed]))
+        for (objective, eta), finals in FINALS.items()
+        for seed in (0, 1)
+    ]
 
 
 def test_a_row_has_the_accuracies_curve_and_staleness_of_its_run():
     row = staleness.measure(Setting(4, "naive", 1), *fake_run(Setting(4, "naive", 1), 0.55))
-    assert (row["eta"], row["objective"], row["seed"], row["final_accuracy"], row["wall_seconds"]) == (4, "naive", 1, 0.55, 70.0)
+    assert (row["eta"], row["objective"], row["seed"], row["final_accuracy"], row["wall_seconds"]) == (
+        4,
+        "naive",
+        1,
+        0.55,
+        70.0,
+    )
     assert row["curve"][0] == [0, 0.15] and row["curve"][-1] == [100, 0.55] and len(row["curve"]) == 5
     assert row["best_accuracy"] == 0.55
     assert row["tail_accuracy"] == pytest.approx((0.35 + 0.45 + 0.55) / 3)  # the last three evaluations
@@ -77,7 +113,12 @@ def test_a_row_has_the_accuracies_curve_and_staleness_of_its_run():
 
 def test_cells_average_over_seeds_per_objective_and_eta():
     cells = staleness.cells(fake_rows())
-    assert [(c["objective"], c["eta"]) for c in cells] == [("naive", 0), ("naive", 4), ("decoupled", 0), ("decoupled", 4)]
+    assert [(c["objective"], c["eta"]) for c in cells] == [
+        ("naive", 0),
+        ("naive", 4),
+        ("decoupled", 0),
+        ("decoupled", 4),
+    ]
     naive4 = cells[1]
     assert naive4["seeds"] == 2 and naive4["final_accuracy"] == pytest.approx(0.32)
     assert naive4["final_accuracy_sd"] == pytest.approx(0.0283, abs=1e-4)
@@ -85,8 +126,13 @@ def test_cells_average_over_seeds_per_objective_and_eta():
 
 
 def report_of(rows: list[dict]) -> dict:
-    return {"cells": staleness.cells(rows), "rows": rows, "wall_seconds": 600.0, "models_seconds": 20.0,
-            "settings": {"steps": 100, "seeds": [0, 1], "tail_evals": staleness.TAIL_EVALS, "eval_every": 25}}
+    return {
+        "cells": staleness.cells(rows),
+        "rows": rows,
+        "wall_seconds": 600.0,
+        "models_seconds": 20.0,
+        "settings": {"steps": 100, "seeds": [0, 1], "tail_evals": staleness.TAIL_EVALS, "eval_every": 25},
+    }
 
 
 def test_table_shows_every_cell_and_the_gap_between_the_objectives():

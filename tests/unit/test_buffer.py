@@ -6,9 +6,20 @@ from workers.trainer.buffer import GroupBuffer
 
 def scored(prompt_id: str, sample: int, release_index: int = 0, version: int = 0, n: int = 2) -> Scored:
     return Scored(
-        trajectory_id=f"{prompt_id}/{sample}", prompt_id=prompt_id, sample_index=sample, n_samples=n,
-        release_index=release_index, released_at_version=version, attempt="w:0", prompt_tokens=[1],
-        completion_tokens=[2], logprobs=[-0.5], versions=[version], finish_reason="stop", num_segments=1, reward=1.0,
+        trajectory_id=f"{prompt_id}/{sample}",
+        prompt_id=prompt_id,
+        sample_index=sample,
+        n_samples=n,
+        release_index=release_index,
+        released_at_version=version,
+        attempt="w:0",
+        prompt_tokens=[1],
+        completion_tokens=[2],
+        logprobs=[-0.5],
+        versions=[version],
+        finish_reason="stop",
+        num_segments=1,
+        reward=1.0,
     )
 
 

@@ -99,13 +99,28 @@ def test_fetch_wait_follows_the_staleness_bound_unless_set():
 
 # Every old name with a value it can take, and that value where the name lives now.
 OLD = {
-    "trainer.lr": 3e-4, "trainer.weight_decay": 0.1, "trainer.grad_clip": 0.5, "trainer.minibatches": 2,
-    "trainer.objective": "naive", "trainer.advantage": "rloo", "trainer.clip_eps": 0.3, "trainer.clip_eps_high": 0.4,
-    "trainer.behaviour_weight_cap": 2.0, "trainer.behaviour_weight_mode": "mask",
-    "trainer.behaviour_weight_level": "sequence", "trainer.loss_aggregation": "seq_mean", "trainer.kl_coef": 0.01,
-    "trainer.microbatch": "fixed", "trainer.max_tokens_per_microbatch": 64, "trainer.min_microbatches": 2,
-    "trainer.microbatches_fixed": 3, "trainer.checkpoint_every": 7, "trainer.keep_checkpoints": 5,
-    "trainer.keep_versions": 6, "trainer.weights_dir": "/shared/w", "trainer.warmup_steps": 0,
+    "trainer.lr": 3e-4,
+    "trainer.weight_decay": 0.1,
+    "trainer.grad_clip": 0.5,
+    "trainer.minibatches": 2,
+    "trainer.objective": "naive",
+    "trainer.advantage": "rloo",
+    "trainer.clip_eps": 0.3,
+    "trainer.clip_eps_high": 0.4,
+    "trainer.behaviour_weight_cap": 2.0,
+    "trainer.behaviour_weight_mode": "mask",
+    "trainer.behaviour_weight_level": "sequence",
+    "trainer.loss_aggregation": "seq_mean",
+    "trainer.kl_coef": 0.01,
+    "trainer.microbatch": "fixed",
+    "trainer.max_tokens_per_microbatch": 64,
+    "trainer.min_microbatches": 2,
+    "trainer.microbatches_fixed": 3,
+    "trainer.checkpoint_every": 7,
+    "trainer.keep_checkpoints": 5,
+    "trainer.keep_versions": 6,
+    "trainer.weights_dir": "/shared/w",
+    "trainer.warmup_steps": 0,
 }
 
 
@@ -142,9 +157,16 @@ def test_a_config_file_an_older_version_wrote_loads(tmp_path, capsys):
 
 
 def test_new_names_load_quietly(capsys):
-    config = load_config(None, ["trainer.microbatch.mode=fixed", "trainer.microbatch.fixed_count=4",
-                                "trainer.checkpoint.every=3", "trainer.loss.aggregation=token_sum_norm",
-                                "model.warmup_steps=0"])
+    config = load_config(
+        None,
+        [
+            "trainer.microbatch.mode=fixed",
+            "trainer.microbatch.fixed_count=4",
+            "trainer.checkpoint.every=3",
+            "trainer.loss.aggregation=token_sum_norm",
+            "model.warmup_steps=0",
+        ],
+    )
     assert (config.trainer.microbatch.mode, config.trainer.microbatch.fixed_count) == ("fixed", 4)
     assert config.trainer.checkpoint.every == 3 and config.trainer.loss.aggregation == "token_sum_norm"
     assert config.model.warmup_steps == 0 and capsys.readouterr().err == ""

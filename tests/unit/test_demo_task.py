@@ -47,7 +47,7 @@ def test_tokenizer_one_token_per_character_and_reloads(tmp_path):
     assert tokenizer.convert_ids_to_tokens(ids) == list("47+8=")
     assert tokenizer.unk_token_id not in ids
     assert tokenizer.decode(ids) == "47+8="
-    assert tokenizer.decode(ids + [tokenizer.eos_token_id]) == "47+8=" + EOS_TEXT
+    assert tokenizer.decode([*ids, tokenizer.eos_token_id]) == "47+8=" + EOS_TEXT
     assert tokenizer.pad_token_id is not None and tokenizer.eos_token_id is not None
     assert tokenizer.pad_token_id != tokenizer.eos_token_id
     assert len(tokenizer) <= 16
@@ -61,10 +61,10 @@ def test_model_size_and_reload(tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert reloaded.dtype == torch.float32
     assert reloaded.config.tie_word_embeddings
-    for (name, p), (_, q) in zip(model.state_dict().items(), reloaded.state_dict().items()):
+    for (name, p), (_, q) in zip(model.state_dict().items(), reloaded.state_dict().items(), strict=True):
         assert torch.equal(p, q), name
     same_seed = build_model(tmp_path / "again", tokenizer, seed=0)
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), same_seed.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), same_seed.parameters(), strict=True))
 
 
 def test_warm_up_reduces_loss(tmp_path):

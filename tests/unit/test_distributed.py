@@ -72,8 +72,11 @@ def test_rank_zero_broadcasts_typed_commands_and_the_others_run_them_in_order():
     commands.stop()
     assert [type(command) for command in sent] == [Train, GatherWeights, SaveCheckpoint, Stop]
     follow(other, Wire(1, sent))  # returns at Stop
-    assert other.calls == lead.calls == [
-        ("train_batch", [([1, 2], [3], [-0.5])], [1.0]), ("gather_weights",), ("save_checkpoint", 3), ("stop",)]
+    assert (
+        other.calls
+        == lead.calls
+        == [("train_batch", [([1, 2], [3], [-0.5])], [1.0]), ("gather_weights",), ("save_checkpoint", 3), ("stop",)]
+    )
 
 
 def test_a_method_name_is_not_a_command():

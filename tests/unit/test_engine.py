@@ -34,8 +34,15 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
 
 def tiny_model(seed: int) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=16, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128)
+    config = Qwen2Config(
+        vocab_size=16,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=128,
+    )
     return Qwen2ForCausalLM(config).float().eval()
 
 
@@ -52,8 +59,10 @@ def forward(request) -> str:
 def perturbed(model: Qwen2ForCausalLM) -> dict[str, torch.Tensor]:
     """New weights far enough from the old ones to change greedy choices."""
     g = torch.Generator().manual_seed(1)
-    return {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) if v.ndim > 1 else v.clone()
-            for k, v in model.state_dict().items()}
+    return {
+        k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g) if v.ndim > 1 else v.clone()
+        for k, v in model.state_dict().items()
+    }
 
 
 def as_version(tensors: dict[str, torch.Tensor], weights_dir, version: int) -> WeightsFile:
@@ -64,9 +73,16 @@ def as_version(tensors: dict[str, torch.Tensor], weights_dir, version: int) -> W
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                         min_new_tokens=n, pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_greedy_matches_hf_generate(model, forward):
@@ -81,7 +97,7 @@ def full_forward_logits(model, seq) -> torch.Tensor:
     ids = torch.tensor([seq.prompt_ids + seq.token_ids])  # [1, T]
     with torch.no_grad():
         logits = model(ids).logits[0].float()  # [T, V]
-    return logits[len(seq.prompt_ids) - 1:-1]
+    return logits[len(seq.prompt_ids) - 1 : -1]
 
 
 @pytest.mark.parametrize("top_p,top_k", [(1.0, 0), (0.7, 0), (1.0, 3), (0.8, 4)])
@@ -105,10 +121,13 @@ def test_top_k_one_is_greedy(model, top_p):
 
 def test_top_k_is_per_sequence_and_bounds_every_draw(model):
     engine = Engine(model, seed=0)
-    capped = [engine.submit(f"k{i}", p, SamplingParams(temperature=2.0, top_k=2, max_new_tokens=20))
-              for i, p in enumerate(PROMPTS * 3)]
-    free = [engine.submit(f"f{i}", p, SamplingParams(temperature=2.0, max_new_tokens=20))
-            for i, p in enumerate(PROMPTS)]
+    capped = [
+        engine.submit(f"k{i}", p, SamplingParams(temperature=2.0, top_k=2, max_new_tokens=20))
+        for i, p in enumerate(PROMPTS * 3)
+    ]
+    free = [
+        engine.submit(f"f{i}", p, SamplingParams(temperature=2.0, max_new_tokens=20)) for i, p in enumerate(PROMPTS)
+    ]
     while not engine.idle():
         engine.step()
 
@@ -185,8 +204,9 @@ def test_admission_mid_flight_does_not_change_others(model, forward):
     engine.step()
     capacity = engine.kv.shape[-2]
     # long enough to make the slot cache grow while the first two are mid-flight
-    later = [engine.submit(f"b{i}", p, SamplingParams(temperature=0.0, max_new_tokens=70))
-             for i, p in enumerate(PROMPTS[2:])]
+    later = [
+        engine.submit(f"b{i}", p, SamplingParams(temperature=0.0, max_new_tokens=70)) for i, p in enumerate(PROMPTS[2:])
+    ]
     while not engine.idle():
         engine.step()
     assert engine.kv.shape[-2] > capacity
@@ -198,8 +218,10 @@ def test_admission_mid_flight_does_not_change_others(model, forward):
 def test_slots_are_reused_and_the_cache_allocated_once(model, forward):
     engine = Engine(model, max_batch=2, forward=forward)
     lengths = [3, 9, 1, 5, 2, 7, 4, 6]
-    seqs = [engine.submit(f"s{i}", PROMPTS[i % 4], SamplingParams(temperature=0.0, max_new_tokens=n))
-            for i, n in enumerate(lengths)]
+    seqs = [
+        engine.submit(f"s{i}", PROMPTS[i % 4], SamplingParams(temperature=0.0, max_new_tokens=n))
+        for i, n in enumerate(lengths)
+    ]
     storage, slot_steps = None, 0
     while not engine.idle():
         finished = engine.step()
@@ -227,9 +249,18 @@ ARCHITECTURES = {  # tiny configs of other families: two with the direct forward
 def test_other_architectures_match_hf_generate(family):
     config_cls, model_cls, extra, forward_cls = ARCHITECTURES[family]
     torch.manual_seed(0)
-    model = model_cls(config_cls(vocab_size=16, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128,
-                                 **extra)).eval()
+    model = model_cls(
+        config_cls(
+            vocab_size=16,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=128,
+            **extra,
+        )
+    ).eval()
     engine = Engine(model)
     assert isinstance(engine.forward, forward_cls)
     for prompt, seq in zip(PROMPTS, generate_all(engine, PROMPTS, GREEDY), strict=True):
@@ -238,16 +269,26 @@ def test_other_architectures_match_hf_generate(family):
 
 def test_hf_fallback_without_rotary_or_grouped_heads():
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_embd=64, n_layer=2, n_head=4, n_positions=128,
-                                       bos_token_id=0, eos_token_id=0)).eval()
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=16, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=0, eos_token_id=0)
+    ).eval()
     for prompt, seq in zip(PROMPTS, generate_all(Engine(model), PROMPTS, GREEDY), strict=True):
         assert seq.token_ids == hf_greedy(model, prompt, GREEDY.max_new_tokens)
 
 
 def test_sliding_window_models_are_refused():
-    model = MistralForCausalLM(MistralConfig(vocab_size=16, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
-                                             num_key_value_heads=2, intermediate_size=128,
-                                             max_position_embeddings=128, sliding_window=32))
+    model = MistralForCausalLM(
+        MistralConfig(
+            vocab_size=16,
+            hidden_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            max_position_embeddings=128,
+            sliding_window=32,
+        )
+    )
     with pytest.raises(NotImplementedError, match="sliding"):
         Engine(model)
 
@@ -267,7 +308,7 @@ def test_finish_reasons_and_max_batch(model, forward):
         done += engine.step()
         assert len(engine.slots) <= 2
     assert sorted(s.key for s in done) == sorted(s.key for s in [stopped, short, *queued])
-    assert stopped.finish_reason == "stop" and stopped.token_ids == free[:first_stop + 1]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free[: first_stop + 1]
     assert short.finish_reason == "length" and len(short.token_ids) == 2
     assert all(s.finish_reason in ("stop", "length") and len(s.token_ids) <= 3 for s in queued)
     with pytest.raises(ValueError):

@@ -85,13 +85,25 @@ CLIP_HIGHER = LossSettings(clip_eps=0.2, clip_eps_high=0.28)
 
 def test_clip_higher_moves_only_the_upper_bound():
     # r = 1.4, A = 2: clipped at 1 + 0.28 -> -1.28 * 2 = -2.56
-    loss, stats = decoupled_ppo_loss(logs(0.7), logs(0.5), logs(0.5), torch.tensor([[2.0]], dtype=torch.float64),
-                                     torch.ones(1, 1, dtype=torch.float64), CLIP_HIGHER)
+    loss, stats = decoupled_ppo_loss(
+        logs(0.7),
+        logs(0.5),
+        logs(0.5),
+        torch.tensor([[2.0]], dtype=torch.float64),
+        torch.ones(1, 1, dtype=torch.float64),
+        CLIP_HIGHER,
+    )
     assert loss.item() == pytest.approx(-2.56)
     assert stats["clip_fraction"] == 1.0
     # r = 0.5/0.7 = 0.714, A = -1: the lower bound stays 1 - 0.2: min(-0.714, -0.8) = -0.8 -> loss 0.8
-    loss, _ = decoupled_ppo_loss(logs(0.5), logs(0.7), logs(0.7), -torch.ones(1, 1, dtype=torch.float64),
-                                 torch.ones(1, 1, dtype=torch.float64), CLIP_HIGHER)
+    loss, _ = decoupled_ppo_loss(
+        logs(0.5),
+        logs(0.7),
+        logs(0.7),
+        -torch.ones(1, 1, dtype=torch.float64),
+        torch.ones(1, 1, dtype=torch.float64),
+        CLIP_HIGHER,
+    )
     assert loss.item() == pytest.approx(0.8)
 
 

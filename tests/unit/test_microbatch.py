@@ -60,16 +60,27 @@ def test_allocator_from_config_names():
         allocator("random", 12, 2, 1)
 
 
-SEQS = [([3, 4, 5], [6, 7], [-1.0, -2.0]), ([3, 4], [8, 9, 1], [-0.5, -0.25, -3.0]), ([5], [6], [-1.5]),
-        ([2, 3, 4, 5], [9, 9, 9, 2], [-2.0, -2.0, -1.0, -0.5])]
+SEQS = [
+    ([3, 4, 5], [6, 7], [-1.0, -2.0]),
+    ([3, 4], [8, 9, 1], [-0.5, -0.25, -3.0]),
+    ([5], [6], [-1.5]),
+    ([2, 3, 4, 5], [9, 9, 9, 2], [-2.0, -2.0, -1.0, -0.5]),
+]
 ADV = [1.0, -0.5, 0.25, 0.75]
 
 
 @pytest.fixture
 def model():
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, intermediate_size=64, max_position_embeddings=32)
+    config = Qwen2Config(
+        vocab_size=16,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
     return Qwen2ForCausalLM(config).float()
 
 
@@ -82,8 +93,14 @@ def test_fixed_and_dynamic_both_train_and_agree(model):
         trained[name] = copy.deepcopy(model)
         optimizer = torch.optim.AdamW(trained[name].parameters(), lr=1e-2)
         for _ in range(2):
-            settings = StepSettings(decoupled=True, minibatches=2, grad_clip=1.0, temperature=1.0,
-                                    loss=LossSettings(clip_eps=0.2), split=split)
+            settings = StepSettings(
+                decoupled=True,
+                minibatches=2,
+                grad_clip=1.0,
+                temperature=1.0,
+                loss=LossSettings(clip_eps=0.2),
+                split=split,
+            )
             stats = train_step(trained[name], optimizer, batch, settings)
         after = (token_logprobs(trained[name], batch, 1.0) * batch.loss_mask * batch.advantages).sum().item()
         assert after > before  # advantage-weighted log-likelihood went up

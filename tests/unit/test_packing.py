@@ -29,9 +29,16 @@ def test_pack_by_hand():
 
 def tiny_qwen2(attn_implementation: str = "sdpa") -> Qwen2ForCausalLM:
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, intermediate_size=64, max_position_embeddings=32,
-                         attn_implementation=attn_implementation)
+    config = Qwen2Config(
+        vocab_size=16,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        attn_implementation=attn_implementation,
+    )
     return Qwen2ForCausalLM(config).float()
 
 
@@ -64,9 +71,21 @@ def test_packed_logprobs_equal_padded(attn_implementation):
 
 
 LOSS_OPTIONS = [  # caps that hit some tokens / sequences of the batch below (its sequence weights are 0.01-0.81)
-    dict(aggregation="token_mean", behaviour_weight_level="token", behaviour_weight_mode="cap", behaviour_weight_cap=1.5),
-    dict(aggregation="seq_mean", behaviour_weight_level="sequence", behaviour_weight_mode="mask", behaviour_weight_cap=0.3),
-    dict(aggregation="token_sum_norm", behaviour_weight_level="token", behaviour_weight_mode="mask", behaviour_weight_cap=1.5),
+    dict(
+        aggregation="token_mean", behaviour_weight_level="token", behaviour_weight_mode="cap", behaviour_weight_cap=1.5
+    ),
+    dict(
+        aggregation="seq_mean",
+        behaviour_weight_level="sequence",
+        behaviour_weight_mode="mask",
+        behaviour_weight_cap=0.3,
+    ),
+    dict(
+        aggregation="token_sum_norm",
+        behaviour_weight_level="token",
+        behaviour_weight_mode="mask",
+        behaviour_weight_cap=1.5,
+    ),
 ]
 
 
@@ -91,4 +110,3 @@ def test_packed_microbatched_gradients_equal_padded(options):
     assert 0 < stats["behaviour_weight_over_cap"] < 1 and 0 < stats["clip_fraction"] < 1  # the options are in play
     for (name, got), wanted in zip(packed_model.named_parameters(), padded_model.parameters(), strict=True):
         torch.testing.assert_close(got.grad, wanted.grad, rtol=0, atol=1e-5, msg=name)
-

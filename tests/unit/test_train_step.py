@@ -17,8 +17,15 @@ PPO = LossSettings(clip_eps=0.2)
 @pytest.fixture
 def model():
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, intermediate_size=64, max_position_embeddings=32)
+    config = Qwen2Config(
+        vocab_size=16,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
     return Qwen2ForCausalLM(config).float()
 
 
@@ -65,6 +72,10 @@ def test_positive_advantage_makes_its_tokens_more_likely(model):
     before = token_logprobs(model, batch, 1.0)[0, 2:].sum().item()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(3):
-        train_step(model, optimizer, batch, StepSettings(decoupled=False, minibatches=1, grad_clip=1.0, temperature=1.0,
-                                                         loss=PPO))
+        train_step(
+            model,
+            optimizer,
+            batch,
+            StepSettings(decoupled=False, minibatches=1, grad_clip=1.0, temperature=1.0, loss=PPO),
+        )
     assert token_logprobs(model, batch, 1.0)[0, 2:].sum().item() > before

@@ -49,7 +49,9 @@ def test_every_metrics_line_reaches_the_wandb_run_on_its_sources_step_axis(
 ) -> None:
     monkeypatch.setenv("WANDB_MODE", "offline")  # telemetry.wandb_mode empty: the environment decides
     config = load_config(None, ["name=wandb-test", "telemetry.wandb_project=asyncrl-test"])
-    trainer, evaluation, rollout = (MetricsWriter(tmp_path / "metrics.jsonl", s) for s in ("trainer", "eval", "rollout"))
+    trainer, evaluation, rollout = (
+        MetricsWriter(tmp_path / "metrics.jsonl", s) for s in ("trainer", "eval", "rollout")
+    )
     stream = WandbStream(config, tmp_path)
     trainer.write(step=1, reward_mean=0.25, staleness_histogram=[3, 1])
     trainer.write(step=2, reward_mean=0.5)
@@ -63,8 +65,16 @@ def test_every_metrics_line_reaches_the_wandb_run_on_its_sources_step_axis(
     (run,) = [r.run for r in records if r.HasField("run")]
     assert (run.project, run.display_name) == ("asyncrl-test", "wandb-test")
     axes = {r.metric.glob_name: r.metric.step_metric for r in records if r.HasField("metric")}
-    assert axes == {"trainer/*": "trainer/step", "eval/*": "eval/step", "rollout/rollout-host-7/*": "rollout/rollout-host-7/step"}
-    logged = [{k: v for k, v in values(r.history.item).items() if not k.startswith("_")} for r in records if r.HasField("history")]
+    assert axes == {
+        "trainer/*": "trainer/step",
+        "eval/*": "eval/step",
+        "rollout/rollout-host-7/*": "rollout/rollout-host-7/step",
+    }
+    logged = [
+        {k: v for k, v in values(r.history.item).items() if not k.startswith("_")}
+        for r in records
+        if r.HasField("history")
+    ]
     assert logged == [
         {"trainer/step": 1, "trainer/reward_mean": 0.25},  # the histogram (a list) and the time are left out
         {"trainer/step": 2, "trainer/reward_mean": 0.5},
@@ -81,7 +91,7 @@ def test_every_metrics_line_reaches_the_wandb_run_on_its_sources_step_axis(
 
 
 def test_wandb_settings_are_checked_with_the_config() -> None:
-    with pytest.raises(ConfigError, match="need telemetry.wandb_project"):
+    with pytest.raises(ConfigError, match=r"need telemetry\.wandb_project"):
         load_config(None, ["telemetry.wandb_mode=offline"])
     with pytest.raises(ConfigError, match="W&B forbids"):
         load_config(None, ["telemetry.wandb_project=team/project"])

@@ -31,8 +31,17 @@ from workers.trainer import worker as trainer_worker
 from workers.trainer.model import checkpoints_dir
 from workers.weights import unique_state_dict, write_version
 
-GROUP = PromptGroup(prompt_id="e0-r1", row_index=1, epoch=0, release_index=0, released_at_version=3,
-                    prompt_text="47+8=", prompt_tokens=[], answer="55", n_samples=2)
+GROUP = PromptGroup(
+    prompt_id="e0-r1",
+    row_index=1,
+    epoch=0,
+    release_index=0,
+    released_at_version=3,
+    prompt_text="47+8=",
+    prompt_tokens=[],
+    answer="55",
+    n_samples=2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +52,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def config_for(tmp_path: Path, model_dir: Path, *overrides: str) -> RunConfig:
-    return resolve(load_config(None, [f"runs_dir={tmp_path}", "name=loop", f"model.path={model_dir}",
-                                      "broker.bootstrap=memory", *overrides]))
+    return resolve(
+        load_config(
+            None,
+            [f"runs_dir={tmp_path}", "name=loop", f"model.path={model_dir}", "broker.bootstrap=memory", *overrides],
+        )
+    )
 
 
 async def wait_for(condition: Callable[[], bool], timeout_s: float = 10) -> None:
@@ -66,11 +79,28 @@ async def run_until(main: Awaitable[None], stop: asyncio.Event, done: Callable[[
         await asyncio.wait_for(task, 10)
 
 
-def segment(tokenizer, trajectory: str, attempt: str, index: int, version: int, text: str, reason: str,
-            group: PromptGroup | None = None) -> Segment:
+def segment(
+    tokenizer,
+    trajectory: str,
+    attempt: str,
+    index: int,
+    version: int,
+    text: str,
+    reason: str,
+    group: PromptGroup | None = None,
+) -> Segment:
     ids = tokenizer(text)["input_ids"] + ([tokenizer.eos_token_id] if reason == "stop" else [])
-    return Segment(trajectory_id=trajectory, attempt=attempt, segment_index=index, version=version, token_ids=ids,
-                   logprobs=[-0.5] * len(ids), finish_reason=reason, worker_id="w", group=group)
+    return Segment(
+        trajectory_id=trajectory,
+        attempt=attempt,
+        segment_index=index,
+        version=version,
+        token_ids=ids,
+        logprobs=[-0.5] * len(ids),
+        finish_reason=reason,
+        worker_id="w",
+        group=group,
+    )
 
 
 async def test_reward_loop_first_finished_attempt_wins_and_poison_goes_to_dead_letter(tmp_path, model_dir):
@@ -157,16 +187,20 @@ def announce(config: RunConfig, version: int, seed: int, corrupt: bool = False) 
         data = bytearray(path.read_bytes())
         data[-1] ^= 0xFF
         path.write_bytes(bytes(data))
-    return WeightVersion(version=version, uri=str(path), content_hash=digest, step=version, groups_consumed=0,
-                         groups_dropped=0)
+    return WeightVersion(
+        version=version, uri=str(path), content_hash=digest, step=version, groups_consumed=0, groups_dropped=0
+    )
 
 
 async def test_rollout_loop_a_new_version_interrupts_and_the_group_commits_when_all_are_out(
-        tmp_path, model_dir, monkeypatch):
+    tmp_path, model_dir, monkeypatch
+):
     config, gated = rollout_setup(tmp_path, model_dir, monkeypatch, gate_at=4)
     transport, stop = MemoryTransport(TopicLayout()), asyncio.Event()
     prompts = transport.layout.name("prompts")
-    group = msgspec.structs.replace(GROUP, released_at_version=0, prompt_tokens=build_tokenizer(model_dir)("47+8=")["input_ids"])
+    group = msgspec.structs.replace(
+        GROUP, released_at_version=0, prompt_tokens=build_tokenizer(model_dir)("47+8=")["input_ids"]
+    )
     async with transport.outbox() as outbox:
         await outbox.send_now("prompts", group, key=group.prompt_id)
         task = asyncio.create_task(rollout_worker.main(config, stop, transport))
@@ -183,7 +217,7 @@ async def test_rollout_loop_a_new_version_interrupts_and_the_group_commits_when_
             await asyncio.wait_for(task, 10)
     for sample in ("e0-r1/0", "e0-r1/1"):
         parts = [s for s in segments() if s.trajectory_id == sample]
-        assert [s.finish_reason for s in parts][0] == "interrupted" and len(parts) == 2
+        assert parts[0].finish_reason == "interrupted" and len(parts) == 2
         assert [s.version for s in parts] == [0, 1] and len(parts[0].token_ids) == 4  # step 4 was under way at v0
         assert parts[0].group == group and parts[1].group is None and parts[1].segment_index == 1
     assert gated[0].engine.version == 1
@@ -216,12 +250,22 @@ async def test_rollout_loop_refuses_a_corrupted_weight_file_and_keeps_its_weight
 
 def scored(group: PromptGroup, sample: int, reward: float) -> Scored:
     completion = [5, 6, 1]
-    return Scored(trajectory_id=f"{group.prompt_id}/{sample}", prompt_id=group.prompt_id, sample_index=sample,
-                  n_samples=group.n_samples, release_index=group.release_index,
-                  released_at_version=group.released_at_version, attempt="a", prompt_tokens=[7, 10, 13],
-                  completion_tokens=completion, logprobs=[-1.0] * len(completion),
-                  versions=[group.released_at_version] * len(completion), finish_reason="stop", num_segments=1,
-                  reward=reward)
+    return Scored(
+        trajectory_id=f"{group.prompt_id}/{sample}",
+        prompt_id=group.prompt_id,
+        sample_index=sample,
+        n_samples=group.n_samples,
+        release_index=group.release_index,
+        released_at_version=group.released_at_version,
+        attempt="a",
+        prompt_tokens=[7, 10, 13],
+        completion_tokens=completion,
+        logprobs=[-1.0] * len(completion),
+        versions=[group.released_at_version] * len(completion),
+        finish_reason="stop",
+        num_segments=1,
+        reward=reward,
+    )
 
 
 def released(n: int, version: int) -> PromptGroup:
@@ -239,8 +283,9 @@ async def test_trainer_loop_waits_for_a_straggler_at_its_staleness_deadline(tmp_
     config = config_for(tmp_path, model_dir, "trainer.batch_groups=1", "trainer.max_staleness=1", "trainer.steps=3")
     transport, stop = MemoryTransport(TopicLayout()), asyncio.Event()
     a, b, c = released(0, 0), released(1, 0), released(2, 1)
-    await publish(transport, a, b, c, scored(a, 0, 1.0), *(scored(b, i, i) for i in (0, 1)),
-                  *(scored(c, i, i) for i in (0, 1)))
+    await publish(
+        transport, a, b, c, scored(a, 0, 1.0), *(scored(b, i, i) for i in (0, 1)), *(scored(c, i, i) for i in (0, 1))
+    )
     manifests = lambda: transport.broker.messages("batches", BatchManifest)  # noqa: E731
     task = asyncio.create_task(trainer_worker.main(config, stop, transport))
     try:
@@ -258,8 +303,15 @@ async def test_trainer_loop_waits_for_a_straggler_at_its_staleness_deadline(tmp_
 
 
 async def test_trainer_loop_restart_rebuilds_the_steps_after_its_checkpoint_from_their_manifests(tmp_path, model_dir):
-    config = config_for(tmp_path, model_dir, "trainer.batch_groups=1", "trainer.max_staleness=4", "trainer.steps=3",
-                        "trainer.checkpoint.every=2", "trainer.optim.lr=1e-2")
+    config = config_for(
+        tmp_path,
+        model_dir,
+        "trainer.batch_groups=1",
+        "trainer.max_staleness=4",
+        "trainer.steps=3",
+        "trainer.checkpoint.every=2",
+        "trainer.optim.lr=1e-2",
+    )
     transport = MemoryTransport(TopicLayout())
     groups = [released(n, 0) for n in range(3)]
     await publish(transport, *groups, *(scored(g, i, float(i == n % 2)) for n, g in enumerate(groups) for i in (0, 1)))

@@ -94,7 +94,9 @@ class ScoringPool:
         self._scorers = [_Scorer(self._context) for _ in range(processes)]
         self._idle: asyncio.Queue[_Scorer] | None = None  # made in the event loop, at the first call
 
-    async def score(self, prompt: str, completion: str, metadata: dict[str, str]) -> tuple[float | None, dict[str, str]]:
+    async def score(
+        self, prompt: str, completion: str, metadata: dict[str, str]
+    ) -> tuple[float | None, dict[str, str]]:
         """(reward, details), or (None, details with the failure) on an exception or a timeout.
 
         The time limit runs from when a scoring process takes the call, not while it queues.
@@ -105,7 +107,9 @@ class ScoringPool:
                 self._idle.put_nowait(scorer)
         scorer = await self._idle.get()
         try:
-            status, value = await asyncio.wait_for(scorer.call((self.spec, prompt, completion, metadata)), self.timeout_s)
+            status, value = await asyncio.wait_for(
+                scorer.call((self.spec, prompt, completion, metadata)), self.timeout_s
+            )
         except BaseException as exc:  # its answer may still come: this process is never asked again
             scorer = self._replace(scorer)
             if isinstance(exc, TimeoutError):

@@ -24,15 +24,22 @@ from workers.reward.pool import ScoringPool
 def assemble(segments: list[Segment], completion_text: str, reward: float, details: dict[str, str]) -> Scored:
     group = segments[0].group
     return Scored(
-        trajectory_id=segments[0].trajectory_id, prompt_id=group.prompt_id,
-        sample_index=split_trajectory_id(segments[0].trajectory_id)[1], n_samples=group.n_samples,
-        release_index=group.release_index, released_at_version=group.released_at_version,
-        attempt=segments[0].attempt, prompt_tokens=group.prompt_tokens,
+        trajectory_id=segments[0].trajectory_id,
+        prompt_id=group.prompt_id,
+        sample_index=split_trajectory_id(segments[0].trajectory_id)[1],
+        n_samples=group.n_samples,
+        release_index=group.release_index,
+        released_at_version=group.released_at_version,
+        attempt=segments[0].attempt,
+        prompt_tokens=group.prompt_tokens,
         completion_tokens=[t for s in segments for t in s.token_ids],
         logprobs=[lp for s in segments for lp in s.logprobs],
         versions=[s.version for s in segments for _ in s.token_ids],
-        finish_reason=segments[-1].finish_reason, num_segments=len(segments),
-        reward=reward, reward_details=details, completion_text=completion_text,
+        finish_reason=segments[-1].finish_reason,
+        num_segments=len(segments),
+        reward=reward,
+        reward_details=details,
+        completion_text=completion_text,
     )
 
 
@@ -79,18 +86,21 @@ class Scorer:
     async def send(self, attempt: Attempt, segments: list[Segment], text: str, problem: str | None) -> None:
         group, reward_cfg = segments[0].group, self.ctx.config.reward
         with self.ctx.tracer.start_as_current_span(
-            "score trajectory", context=attempt.receipts[-1].trace(),
+            "score trajectory",
+            context=attempt.receipts[-1].trace(),
             attributes={"asyncrl.trajectory_id": attempt.trajectory_id, "asyncrl.attempt": attempt.attempt},
         ) as span:
             metadata = {**group.metadata, "answer": group.answer}
-            reward, details = (None, {"error": problem}) if problem else await self.pool.score(
-                group.prompt_text, text, metadata)
+            reward, details = (
+                (None, {"error": problem}) if problem else await self.pool.score(group.prompt_text, text, metadata)
+            )
             if reward is None:
                 reward = reward_cfg.failure_reward
                 self.ctx.log.warning("scoring failed", trajectory=attempt.trajectory_id, **details)
             span.set_attribute("asyncrl.reward", reward)
-            await self.outbox.send("scored", assemble(segments, text, reward, details), key=group.prompt_id,
-                                   headers=trace_headers())
+            await self.outbox.send(
+                "scored", assemble(segments, text, reward, details), key=group.prompt_id, headers=trace_headers()
+            )
         self.scored += 1
 
     async def close(self) -> None:

@@ -81,7 +81,7 @@ class Batch:
 
     def decode_mask(self) -> torch.Tensor:
         """[Bd, 1, 1, span] bool: column j is visible to decode row i iff j <= its position."""
-        return (torch.arange(self.span, device=self.pos.device) <= self.pos[:self.decode, None])[:, None, None]
+        return (torch.arange(self.span, device=self.pos.device) <= self.pos[: self.decode, None])[:, None, None]
 
 
 class DirectForward:
@@ -132,8 +132,12 @@ class DirectForward:
                 keys[rows, :, batch.pos[:bd]] = k[:bd]  # [Bd, Hkv, D], each at its row's own position
                 values[rows, :, batch.pos[:bd]] = v[:bd]
                 o = F.scaled_dot_product_attention(  # query heads grouped under their kv head: [Bd, Hkv, Hq/Hkv, D]
-                    q[:bd].view(bd, hkv, -1, d), keys[:, :, :batch.span], values[:, :, :batch.span],
-                    attn_mask=mask, scale=self.scale)
+                    q[:bd].view(bd, hkv, -1, d),
+                    keys[:, :, : batch.span],
+                    values[:, :, : batch.span],
+                    attn_mask=mask,
+                    scale=self.scale,
+                )
                 parts.append(o.reshape(bd, -1))  # [Bd, Hq*D]
             if bp:
                 qp = q[bd:].view(bp, t, -1, d).transpose(1, 2)  # [b, Hq, T, D]
@@ -176,7 +180,7 @@ class SlotCache(Cache):
         where = self.pos[:, None, :, None].expand_as(key_states)  # [b, Hkv, T, D]
         keys.scatter_(2, where, key_states)
         values.scatter_(2, where, value_states)
-        return keys[:, :, :self.span], values[:, :, :self.span]  # [b, Hkv, span, D]
+        return keys[:, :, : self.span], values[:, :, : self.span]  # [b, Hkv, span, D]
 
 
 class HFForward:
@@ -212,8 +216,9 @@ class HFForward:
         visible = torch.arange(span, device=pos.device) <= pos[:, :, None]  # [b, T, span]
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=pos.device)  # [b, T, span]
         mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
-        hidden = self.base(input_ids=ids, attention_mask=mask[:, None], position_ids=pos,
-                           past_key_values=self.cache, use_cache=True).last_hidden_state  # [b, T, H]
+        hidden = self.base(
+            input_ids=ids, attention_mask=mask[:, None], position_ids=pos, past_key_values=self.cache, use_cache=True
+        ).last_hidden_state  # [b, T, H]
         self.cache.kv = None  # the storage may be reallocated before the next call
         return hidden
 
@@ -228,9 +233,11 @@ def make_forward(model, forward: str) -> DirectForward | HFForward:
     config = model.config.get_text_config()
     window = getattr(config, "sliding_window", None)
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()) or (
-            window is not None and window < getattr(config, "max_position_embeddings", window + 1)):
-        raise NotImplementedError(f"{config.model_type}: the slot cache supports full attention only, "
-                                  f"not sliding windows")
+        window is not None and window < getattr(config, "max_position_embeddings", window + 1)
+    ):
+        raise NotImplementedError(
+            f"{config.model_type}: the slot cache supports full attention only, not sliding windows"
+        )
     rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     direct = config.model_type in DIRECT_FAMILIES and rope in STATIC_ROPE
     if forward == "direct" and not direct:
@@ -244,8 +251,16 @@ class Engine:
     Not thread-safe: call it from one thread (the worker loop).
     """
 
-    def __init__(self, model, *, max_batch: int = 64, version: int = 0, seed: int | None = None,
-                 max_prefill_tokens: int = 16384, forward: str = "auto"):
+    def __init__(
+        self,
+        model,
+        *,
+        max_batch: int = 64,
+        version: int = 0,
+        seed: int | None = None,
+        max_prefill_tokens: int = 16384,
+        forward: str = "auto",
+    ):
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.max_batch = max_batch
@@ -255,8 +270,11 @@ class Engine:
         self.vocab = model.get_input_embeddings().num_embeddings
         self.forward = make_forward(model, forward)
         heads = config.num_attention_heads
-        self.kv_shape = (config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads,
-                         getattr(config, "head_dim", None) or config.hidden_size // heads)
+        self.kv_shape = (
+            config.num_hidden_layers,
+            getattr(config, "num_key_value_heads", None) or heads,
+            getattr(config, "head_dim", None) or config.hidden_size // heads,
+        )
         self.kv: torch.Tensor | None = None  # [2, layers, max_batch, Hkv, C, D], allocated on first admission
         self.version = version
         self.generator = None
@@ -355,9 +373,15 @@ class Engine:
         return None
 
     def stats(self) -> EngineStats:
-        return EngineStats(version=self.version, running=len(self.slots) + len(self.waiting),
-                           queued=len(self.waiting), capacity=self.max_batch, generated_tokens=self.generated_tokens,
-                           weight_updates=self.weight_updates, interrupted=self.interrupted)
+        return EngineStats(
+            version=self.version,
+            running=len(self.slots) + len(self.waiting),
+            queued=len(self.waiting),
+            capacity=self.max_batch,
+            generated_tokens=self.generated_tokens,
+            weight_updates=self.weight_updates,
+            interrupted=self.interrupted,
+        )
 
     def close(self) -> None:
         """Nothing to release: the model and the caches go with the engine."""
@@ -375,7 +399,7 @@ class Engine:
             return
         new = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
         self._reserve(max(len(s.prompt_ids) + s.params.max_new_tokens for s in new))
-        self.slots[self.decoding:] = sorted(self.slots[self.decoding:] + new, key=len)
+        self.slots[self.decoding :] = sorted(self.slots[self.decoding :] + new, key=len)
         self.slots_changed = True
 
     def _reserve(self, need: int) -> None:
@@ -390,10 +414,11 @@ class Engine:
         if self.max_len is not None:
             capacity = min(capacity, self.max_len)
         layers, kv_heads, head_dim = self.kv_shape
-        kv = torch.zeros(2, layers, self.max_batch, kv_heads, capacity, head_dim,
-                         dtype=self.model.dtype, device=self.device)  # [2, layers, slots, Hkv, C, D]
+        kv = torch.zeros(
+            2, layers, self.max_batch, kv_heads, capacity, head_dim, dtype=self.model.dtype, device=self.device
+        )  # [2, layers, slots, Hkv, C, D]
         if self.kv is not None:
-            kv[..., :self.kv.shape[-2], :] = self.kv
+            kv[..., : self.kv.shape[-2], :] = self.kv
         self.kv = kv
         self.forward.reserve(capacity)
 
@@ -429,8 +454,11 @@ class Engine:
         logits, start = [], self.decoding
         while start < len(self.slots) or not logits:
             end = start  # grow the chunk while its padded size fits the budget (lengths ascend)
-            while (end < len(self.slots) and (end + 1 - start) * len(self.slots[end]) <= self.max_prefill_tokens
-                   and len(self.slots[end]) <= PREFILL_SPREAD * len(self.slots[start])):
+            while (
+                end < len(self.slots)
+                and (end + 1 - start) * len(self.slots[end]) <= self.max_prefill_tokens
+                and len(self.slots[end]) <= PREFILL_SPREAD * len(self.slots[start])
+            ):
                 end += 1
             end = max(end, min(start + 1, len(self.slots)))  # a context longer than the budget goes alone
             decode = self.decoding if not logits else 0
@@ -450,9 +478,16 @@ class Engine:
             ids += seq.prompt_ids + seq.token_ids + [0] * (width - len(seq))
             out.append(len(decode) + r * width + len(seq) - 1)
         pos += list(range(width)) * len(news)
-        return Batch(kv=self.kv[:, :, first:end], ids=torch.tensor(ids, device=self.device),
-                     pos=torch.tensor(pos, device=self.device), out=torch.tensor(out, device=self.device),
-                     decode=len(decode), prefill=len(news), width=width, span=max(pos[:len(decode)], default=-1) + 1)
+        return Batch(
+            kv=self.kv[:, :, first:end],
+            ids=torch.tensor(ids, device=self.device),
+            pos=torch.tensor(pos, device=self.device),
+            out=torch.tensor(out, device=self.device),
+            decode=len(decode),
+            prefill=len(news),
+            width=width,
+            span=max(pos[: len(decode)], default=-1) + 1,
+        )
 
     def _sampling_tensors(self) -> None:
         """Per-slot sampling settings as device tensors, rebuilt only when the slots change."""
@@ -460,8 +495,9 @@ class Engine:
         self.top_p = torch.tensor([s.params.top_p for s in self.slots], device=self.device)  # [B]
         self.top_k = torch.tensor([s.params.top_k or NO_TOP_K for s in self.slots], device=self.device)  # [B]
         self.any_random = any(s.params.temperature > 0 for s in self.slots)
-        self.any_filter = any(s.params.temperature > 0 and (s.params.top_p < 1 or s.params.top_k > 0)
-                              for s in self.slots)
+        self.any_filter = any(
+            s.params.temperature > 0 and (s.params.top_p < 1 or s.params.top_k > 0) for s in self.slots
+        )
         self.slots_changed = False
 
     def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

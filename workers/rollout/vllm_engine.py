@@ -39,8 +39,10 @@ from workers.rollout.protocol import EngineStats, SamplingParams, Sequence, chec
 from workers.weights import WeightsFile
 
 POLL_S = 0.05  # how long step() waits for vLLM's next output before handing control back
-INSTALL_HINT = ("rollout.backend 'vllm' needs vLLM, which is not installed here: "
-                "`pip install 'asyncrl[vllm]'` on a CUDA machine, or use rollout.backend 'torch'")
+INSTALL_HINT = (
+    "rollout.backend 'vllm' needs vLLM, which is not installed here: "
+    "`pip install 'asyncrl[vllm]'` on a CUDA machine, or use rollout.backend 'torch'"
+)
 
 
 def import_vllm():
@@ -80,8 +82,16 @@ class Request:
 class VLLMEngine:
     """A `RolloutEngine` (workers.rollout.protocol) over vLLM's AsyncLLM. Call it from one thread at a time."""
 
-    def __init__(self, model_path: str, *, max_batch: int = 64, version: int = 0, seed: int | None = None,
-                 dtype: str = "auto", max_model_len: int | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        max_batch: int = 64,
+        version: int = 0,
+        seed: int | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+    ):
         self.vllm = import_vllm()
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -92,8 +102,14 @@ class VLLMEngine:
         self.thread = threading.Thread(target=self.loop.run_forever, name="vllm-engine", daemon=True)
         self.thread.start()
         args = self.vllm.AsyncEngineArgs(
-            model=model_path, max_num_seqs=max_batch, seed=seed, dtype=dtype, max_model_len=max_model_len,
-            skip_tokenizer_init=True, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+            model=model_path,
+            max_num_seqs=max_batch,
+            seed=seed,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            skip_tokenizer_init=True,
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.{WeightLoader.__name__}",
         )
         self.llm = self._run(self._create(args))
@@ -192,9 +208,15 @@ class VLLMEngine:
 
     def stats(self) -> EngineStats:
         running = len(self.requests) + len(self.held)
-        return EngineStats(version=self.version, running=running, queued=max(0, running - self.max_batch),
-                           capacity=self.max_batch, generated_tokens=self.generated_tokens,
-                           weight_updates=self.weight_updates, interrupted=self.interrupted)
+        return EngineStats(
+            version=self.version,
+            running=running,
+            queued=max(0, running - self.max_batch),
+            capacity=self.max_batch,
+            generated_tokens=self.generated_tokens,
+            weight_updates=self.weight_updates,
+            interrupted=self.interrupted,
+        )
 
     def close(self) -> None:
         self.llm.shutdown()
@@ -234,9 +256,15 @@ class VLLMEngine:
         """Submit `seq` (prompt + tokens so far) for the rest of its token budget."""
         request_id = f"{seq.key}#{next(self.counter)}"
         params = self.vllm.SamplingParams(
-            temperature=seq.params.temperature, top_p=seq.params.top_p, top_k=seq.params.top_k,
-            max_tokens=seq.params.max_new_tokens - len(seq.token_ids), stop_token_ids=list(seq.params.stop_token_ids),
-            ignore_eos=True, logprobs=0, detokenize=False, output_kind=self.delta,
+            temperature=seq.params.temperature,
+            top_p=seq.params.top_p,
+            top_k=seq.params.top_k,
+            max_tokens=seq.params.max_new_tokens - len(seq.token_ids),
+            stop_token_ids=list(seq.params.stop_token_ids),
+            ignore_eos=True,
+            logprobs=0,
+            detokenize=False,
+            output_kind=self.delta,
         )
         prompt = self.vllm.TokensPrompt(prompt_token_ids=seq.prompt_ids + seq.token_ids)
         task = asyncio.run_coroutine_threadsafe(self._consume(request_id, prompt, params), self.loop)

@@ -59,8 +59,9 @@ def make_engine(config: RunConfig) -> RolloutEngine:
 
         return VLLMEngine(config.model.path, max_batch=config.rollout.max_batch, version=0, seed=config.seed)
     model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32)
-    return Engine(model.to(torch.device(config.model.device)), max_batch=config.rollout.max_batch, version=0,
-                  seed=config.seed)
+    return Engine(
+        model.to(torch.device(config.model.device)), max_batch=config.rollout.max_batch, version=0, seed=config.seed
+    )
 
 
 class Rollout:
@@ -70,8 +71,13 @@ class Rollout:
         self.ctx, self.outbox, self.engine = ctx, outbox, engine
         cfg = ctx.config.rollout
         eos = AutoTokenizer.from_pretrained(ctx.config.model.path).eos_token_id
-        self.params = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                     max_new_tokens=cfg.max_new_tokens, stop_token_ids=(eos,) if eos is not None else ())
+        self.params = SamplingParams(
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            max_new_tokens=cfg.max_new_tokens,
+            stop_token_ids=(eos,) if eos is not None else (),
+        )
         self.groups: dict[str, InFlight] = {}  # prompt id -> group
         self.counter = itertools.count()
         self.interrupted = 0  # segments cut by a new version
@@ -115,20 +121,48 @@ class Rollout:
         flight.tokens_sent[seq.key] = len(seq.token_ids)
         return flight
 
-    async def send(self, flight: InFlight, key: str, version: int, tokens: list[int], logprobs: list[float],
-                   finish_reason: str, error: str = "") -> None:
+    async def send(
+        self,
+        flight: InFlight,
+        key: str,
+        version: int,
+        tokens: list[int],
+        logprobs: list[float],
+        finish_reason: str,
+        error: str = "",
+    ) -> None:
         """One segment on `segments`, with a span (in the prompt's trace) covering its generation."""
         index, now = flight.segments_sent.get(key, 0), time.time_ns()
         span = self.ctx.tracer.start_span(
-            "generate segment", context=flight.trace, start_time=flight.last_sent_ns.get(key, now),
-            attributes={"asyncrl.trajectory_id": key, "asyncrl.segment_index": index, "asyncrl.version": version,
-                        "asyncrl.tokens": len(tokens), "asyncrl.finish_reason": finish_reason})
+            "generate segment",
+            context=flight.trace,
+            start_time=flight.last_sent_ns.get(key, now),
+            attributes={
+                "asyncrl.trajectory_id": key,
+                "asyncrl.segment_index": index,
+                "asyncrl.version": version,
+                "asyncrl.tokens": len(tokens),
+                "asyncrl.finish_reason": finish_reason,
+            },
+        )
         span.end(end_time=now)
-        await self.outbox.send("segments", Segment(
-            trajectory_id=key, attempt=flight.attempts[key], segment_index=index, version=version, token_ids=tokens,
-            logprobs=logprobs, finish_reason=finish_reason, worker_id=self.ctx.id,
-            group=flight.group if index == 0 else None, error=error,
-        ), key=key, headers=trace_headers(span))
+        await self.outbox.send(
+            "segments",
+            Segment(
+                trajectory_id=key,
+                attempt=flight.attempts[key],
+                segment_index=index,
+                version=version,
+                token_ids=tokens,
+                logprobs=logprobs,
+                finish_reason=finish_reason,
+                worker_id=self.ctx.id,
+                group=flight.group if index == 0 else None,
+                error=error,
+            ),
+            key=key,
+            headers=trace_headers(span),
+        )
         flight.segments_sent[key], flight.last_sent_ns[key] = index + 1, now
         self.generated_tokens += len(tokens)
 
@@ -146,10 +180,17 @@ class Rollout:
             await asyncio.to_thread(self.engine.update_weights, weights)
         except (WeightsError, FileNotFoundError) as error:
             self.refused_version = announced.version
-            self.ctx.log.warning("weights refused, keeping the current ones", version=announced.version,
-                                 reason=str(error))
-            await self.outbox.dead_letter(DeadLetter(origin=self.ctx.id, source=self.outbox.layout.name("weights"),
-                                                     reason=str(error), payload=encode(announced)))
+            self.ctx.log.warning(
+                "weights refused, keeping the current ones", version=announced.version, reason=str(error)
+            )
+            await self.outbox.dead_letter(
+                DeadLetter(
+                    origin=self.ctx.id,
+                    source=self.outbox.layout.name("weights"),
+                    reason=str(error),
+                    payload=encode(announced),
+                )
+            )
             return False
         self.ctx.log.info("weights loaded", version=announced.version)
         return True
@@ -182,8 +223,10 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
             new_version = rollout.wants(latest)
             if new_version and (interrupt or rollout.engine.idle()) and await rollout.load(latest) and latest.final:
                 break
-            waiting += [InFlight(d, unfinished=d.message.n_samples)
-                        for d in await prompts.poll(0 if waiting or not rollout.engine.idle() else 0.05)]
+            waiting += [
+                InFlight(d, unfinished=d.message.n_samples)
+                for d in await prompts.poll(0 if waiting or not rollout.engine.idle() else 0.05)
+            ]
             await admit(rollout, prompts, waiting, holding=new_version and not interrupt)
             await prompts.commit()
             if rollout.engine.idle():
@@ -192,8 +235,12 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
             for flight in await rollout.step():
                 prompts.done(flight.delivery)
             if time.monotonic() - last_report > METRICS_PERIOD_S:
-                metrics.write(step=rollout.engine.version, worker=ctx.id, generated_tokens=rollout.generated_tokens,
-                              interrupted_segments=rollout.interrupted)
+                metrics.write(
+                    step=rollout.engine.version,
+                    worker=ctx.id,
+                    generated_tokens=rollout.generated_tokens,
+                    interrupted_segments=rollout.interrupted,
+                )
                 last_report = time.monotonic()
         await prompts.commit(now=True)
         ctx.log.info("rollout finished", version=rollout.engine.version, interrupted_segments=rollout.interrupted)

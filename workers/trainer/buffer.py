@@ -56,7 +56,9 @@ class GroupBuffer:
         group.members[scored.sample_index] = (scored, where)
         return True
 
-    def take(self, batch_groups: int, trainer_version: int, max_staleness: int) -> tuple[list[Group], list[DroppedGroup]]:
+    def take(
+        self, batch_groups: int, trainer_version: int, max_staleness: int
+    ) -> tuple[list[Group], list[DroppedGroup]]:
         """`batch_groups` complete groups (oldest release first) and the groups dropped on the way.
 
         A released group whose last admissible version is this one (released at
@@ -67,8 +69,11 @@ class GroupBuffer:
         Returns an empty batch until the batch can be made.
         """
         released = {g.prompt_id: g.released_at_version for g in self.groups.values()} | self.outstanding
-        dropped = [self._drop(pid, v, trainer_version, max_staleness) for pid, v in sorted(released.items())
-                   if not admissible(trainer_version, v, max_staleness)]
+        dropped = [
+            self._drop(pid, v, trainer_version, max_staleness)
+            for pid, v in sorted(released.items())
+            if not admissible(trainer_version, v, max_staleness)
+        ]
         due = [pid for pid, v in self.outstanding.items() if staleness(trainer_version, v) == max_staleness]
         if any(pid not in self.groups or not self.groups[pid].complete for pid in due):
             return [], dropped

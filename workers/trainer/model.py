@@ -37,13 +37,20 @@ def step_settings(config: RunConfig) -> StepSettings:
     also need the rollout's generation budget and sampling temperature."""
     optim, loss, split = config.trainer.optim, config.trainer.loss, config.trainer.microbatch
     return StepSettings(
-        decoupled=loss.objective == "decoupled", minibatches=optim.minibatches, grad_clip=optim.grad_clip,
+        decoupled=loss.objective == "decoupled",
+        minibatches=optim.minibatches,
+        grad_clip=optim.grad_clip,
         temperature=config.rollout.temperature,
         split=allocator(split.mode, split.max_tokens, split.min_count, split.fixed_count),
         loss=LossSettings(
-            clip_eps=loss.clip_eps, clip_eps_high=loss.clip_eps_high, behaviour_weight_cap=loss.behaviour_weight_cap,
-            behaviour_weight_mode=loss.behaviour_weight_mode, behaviour_weight_level=loss.behaviour_weight_level,
-            aggregation=loss.aggregation, max_new_tokens=config.rollout.max_new_tokens, kl_coef=loss.kl_coef,
+            clip_eps=loss.clip_eps,
+            clip_eps_high=loss.clip_eps_high,
+            behaviour_weight_cap=loss.behaviour_weight_cap,
+            behaviour_weight_mode=loss.behaviour_weight_mode,
+            behaviour_weight_level=loss.behaviour_weight_level,
+            aggregation=loss.aggregation,
+            max_new_tokens=config.rollout.max_new_tokens,
+            kl_coef=loss.kl_coef,
         ),
     )
 
@@ -116,8 +123,11 @@ class Trainer:
         st.max_staleness_trained = max(st.max_staleness_trained, *lags)
         histogram = Counter(lags)
         return {
-            **stats, "reward_mean": rewards.mean().item(), "tokens": tokens,
-            "staleness_mean": sum(lags) / len(lags), "staleness_max": max(lags),
+            **stats,
+            "reward_mean": rewards.mean().item(),
+            "tokens": tokens,
+            "staleness_mean": sum(lags) / len(lags),
+            "staleness_max": max(lags),
             "staleness_histogram": [histogram[lag] for lag in range(max(lags) + 1)],  # trajectories per staleness
             "token_staleness_mean": sum(version - v for s in trajectories for v in s.versions) / max(tokens, 1),
         }

@@ -11,6 +11,7 @@ computes what the padded one does without spending compute on padding.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -56,8 +57,18 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
     )
 
 
-def per_sequence_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                           cu_seq_lens_q=None, sliding_window=None, **kwargs) -> tuple[torch.Tensor, None]:
+def per_sequence_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout=0.0,
+    scaling=None,
+    cu_seq_lens_q=None,
+    sliding_window=None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """Causal SDPA over each packed sequence alone: query [1, H, L, D], key/value [1, Hkv, L, D] -> [1, L, H, D]."""
     if cu_seq_lens_q is None:
         raise ValueError(f"attention {PACKED_ATTENTION!r} needs packed inputs (Packed.model_inputs())")
@@ -66,9 +77,16 @@ def per_sequence_attention(module, query, key, value, attention_mask, dropout=0.
     bounds = cu_seq_lens_q.tolist()
     grouped = query.shape[1] != key.shape[1]
     parts = [
-        F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=dropout,
-                                       is_causal=True, scale=scaling, enable_gqa=grouped)  # [1, H, e-s, D]
-        for s, e in zip(bounds[:-1], bounds[1:])
+        F.scaled_dot_product_attention(
+            query[:, :, s:e],
+            key[:, :, s:e],
+            value[:, :, s:e],
+            dropout_p=dropout,
+            is_causal=True,
+            scale=scaling,
+            enable_gqa=grouped,
+        )  # [1, H, e-s, D]
+        for s, e in itertools.pairwise(bounds)
     ]
     return torch.cat(parts, dim=2).transpose(1, 2), None  # [1, L, H, D]
 

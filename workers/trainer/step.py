@@ -98,9 +98,11 @@ def token_logprobs(
 
 def combine(parts: list[dict[str, float]], reduce: Callable[[Iterable[float]], float]) -> dict[str, float]:
     """Stats of several parts: `reduce` (sum or mean) of each, except max of `_max` and min of `_min` stats."""
+
     def one(key: str) -> float:
         values = [part[key] for part in parts]
         return max(values) if key.endswith("_max") else min(values) if key.endswith("_min") else reduce(values)
+
     return {key: one(key) for key in parts[0]}
 
 
@@ -178,7 +180,7 @@ class RankShare:
         plan = plan + [[len(rows) + k] for k in range(padding)]
         indices = torch.tensor(rows + [self.filler] * padding, dtype=torch.long, device=device)  # [n]
         share = self.batch.select(indices)
-        share.loss_mask[len(rows):] = 0.0
+        share.loss_mask[len(rows) :] = 0.0
         return indices, share, lambda _lengths: plan
 
 
@@ -218,8 +220,14 @@ def train_step(
         indices, share, plan = shares.of(rows)
         optimizer.zero_grad(set_to_none=True)
         stats, logp = accumulate_gradients(
-            model, share, None if own_prox else prox[indices], plan, settings.temperature, settings.loss,
-            totals=batch_totals(batch.loss_mask[chunk]), reference=reference,
+            model,
+            share,
+            None if own_prox else prox[indices],
+            plan,
+            settings.temperature,
+            settings.loss,
+            totals=batch_totals(batch.loss_mask[chunk]),
+            reference=reference,
         )
         if own_prox:
             prox[indices[: len(rows)]] = logp[: len(rows)]

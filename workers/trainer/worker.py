@@ -42,13 +42,17 @@ def restore(manifests: list[BatchManifest], state: checkpoint.TrainerState) -> t
     return redo, GroupBuffer(trained, done)
 
 
-def new_manifest(groups: list[Group], version: int, resume: dict[int, int], dropped: list[DroppedGroup]) -> BatchManifest:
+def new_manifest(
+    groups: list[Group], version: int, resume: dict[int, int], dropped: list[DroppedGroup]
+) -> BatchManifest:
     """The record of the step about to be taken from `version`, written before it."""
     return BatchManifest(
-        step=version + 1, trainer_version=version,
+        step=version + 1,
+        trainer_version=version,
         trajectory_ids=[s.trajectory_id for g in groups for s, _ in g.trajectories()],
         scored_offsets=[where for g in groups for _, where in g.trajectories()],
-        consumed_offsets=sorted(resume.items()), dropped=dropped,
+        consumed_offsets=sorted(resume.items()),
+        dropped=dropped,
     )
 
 
@@ -74,8 +78,9 @@ class Feed:
 class Lead:
     """Rank 0's side of each step: which batch, its manifest, the step, weights out, checkpoints, metrics."""
 
-    def __init__(self, ctx: runtime.WorkerContext, trainer: Trainer, outbox: Outbox, feed: Feed,
-                 redo: list[BatchManifest]):
+    def __init__(
+        self, ctx: runtime.WorkerContext, trainer: Trainer, outbox: Outbox, feed: Feed, redo: list[BatchManifest]
+    ):
         self.ctx, self.trainer, self.outbox, self.feed, self.redo = ctx, trainer, outbox, feed, redo
         self.state, self.cfg = trainer.state, ctx.config.trainer
         self.pending_drops: list[DroppedGroup] = []  # dropped since the last manifest, recorded in the next one
@@ -106,10 +111,14 @@ class Lead:
         step_started, tracer = time.monotonic(), self.ctx.tracer
         with tracer.start_as_current_span("train step", attributes={"asyncrl.step": manifest.step}) as step_span:
             group_spans = [  # one per group, in its prompt's trace, linked to the step
-                tracer.start_span("train group", context=self.feed.traces.pop(g.prompt_id),
-                                  links=[Link(step_span.get_span_context())],
-                                  attributes={"asyncrl.prompt_id": g.prompt_id, "asyncrl.step": manifest.step})
-                for g in groups if g.prompt_id in self.feed.traces
+                tracer.start_span(
+                    "train group",
+                    context=self.feed.traces.pop(g.prompt_id),
+                    links=[Link(step_span.get_span_context())],
+                    attributes={"asyncrl.prompt_id": g.prompt_id, "asyncrl.step": manifest.step},
+                )
+                for g in groups
+                if g.prompt_id in self.feed.traces
             ]
             stats = await asyncio.to_thread(self.trainer.train, groups)
             for span in group_spans:
@@ -123,9 +132,18 @@ class Lead:
         """Publish the current weights, then tell `weights` (path and sha256)."""
         st = self.state
         path, digest = await asyncio.to_thread(self.trainer.publish)
-        await self.outbox.send_now("weights", WeightVersion(
-            version=st.step, uri=str(path.resolve()), content_hash=digest, step=st.step,
-            groups_consumed=st.groups_consumed, groups_dropped=st.groups_dropped, final=final))
+        await self.outbox.send_now(
+            "weights",
+            WeightVersion(
+                version=st.step,
+                uri=str(path.resolve()),
+                content_hash=digest,
+                step=st.step,
+                groups_consumed=st.groups_consumed,
+                groups_dropped=st.groups_dropped,
+                final=final,
+            ),
+        )
 
     async def checkpoint(self) -> None:
         st = self.state
@@ -137,11 +155,17 @@ class Lead:
     def report(self, stats: dict, step_seconds: float) -> None:
         st, elapsed = self.state, time.monotonic() - self.started
         self.metrics.write(
-            step=st.step, **stats, step_seconds=step_seconds, elapsed=elapsed,
-            tokens_per_s=st.trained_tokens / elapsed, trained_tokens=st.trained_tokens,
-            groups_consumed=st.groups_consumed, groups_dropped=st.groups_dropped,
+            step=st.step,
+            **stats,
+            step_seconds=step_seconds,
+            elapsed=elapsed,
+            tokens_per_s=st.trained_tokens / elapsed,
+            trained_tokens=st.trained_tokens,
+            groups_consumed=st.groups_consumed,
+            groups_dropped=st.groups_dropped,
             interrupted_trajectories=st.interrupted_trajectories,
-            mixed_version_trajectories=st.mixed_version_trajectories, max_staleness_trained=st.max_staleness_trained,
+            mixed_version_trajectories=st.mixed_version_trajectories,
+            max_staleness_trained=st.max_staleness_trained,
         )
 
 
@@ -161,11 +185,19 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
 async def lead(ctx: runtime.WorkerContext, trainer: Trainer, stop: asyncio.Event) -> None:
     """Rank 0's loop: read, take a batch (or redo a recorded one), write its manifest, train, publish."""
     st, cfg = trainer.state, ctx.config.trainer
-    manifests = [r.message for r in await ctx.transport.read_all("batches", BatchManifest)
-                 if isinstance(r.message, BatchManifest)]
+    manifests = [
+        r.message
+        for r in await ctx.transport.read_all("batches", BatchManifest)
+        if isinstance(r.message, BatchManifest)
+    ]
     redo, buffer = restore(manifests, st)
-    ctx.log.info("trainer started", step=st.step, ranks=trainer.world, redo=[m.step for m in redo],
-                 resume_offsets=st.resume_offsets)
+    ctx.log.info(
+        "trainer started",
+        step=st.step,
+        ranks=trainer.world,
+        redo=[m.step for m in redo],
+        resume_offsets=st.resume_offsets,
+    )
     async with (
         ctx.transport.outbox() as outbox,
         ctx.transport.inbox("scored", Scored, outbox, origin=ctx.id, start_offsets=st.resume_offsets) as scored,
