@@ -47,49 +47,79 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     kinds = bench.add_subparsers(dest="bench", required=True)
     generate = kinds.add_parser("generate", help="engine tokens/s vs Hugging Face generate at equal concurrency")
     add_generate_arguments(generate)
-    microbatch = kinds.add_parser("microbatch", help="trainer tokens/s and peak memory: token-budget vs fixed-count micro-batches")
+    microbatch = kinds.add_parser(
+        "microbatch", help="trainer tokens/s and peak memory: token-budget vs fixed-count micro-batches"
+    )
     add_microbatch_arguments(microbatch)
     pipeline = kinds.add_parser("pipeline", help="training throughput: eta=0 vs eta=4, interruption on vs off")
     pipeline.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. rollout.max_batch=16")
     pipeline.add_argument("--out", default="runs/bench/pipeline.json", help="JSON results file (default: %(default)s)")
     pipeline.add_argument("--steps", type=int, default=60, help="trainer steps per run (default: %(default)s)")
-    pipeline.add_argument("--warmup-steps", type=int, default=10,
-                          help="steps left out of the measurement (default: %(default)s)")
-    pipeline.add_argument("--max-new-tokens", type=int, default=120,
-                          help="output length limit; the demo model holds 128 positions (default: %(default)s)")
+    pipeline.add_argument(
+        "--warmup-steps", type=int, default=10, help="steps left out of the measurement (default: %(default)s)"
+    )
+    pipeline.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=120,
+        help="output length limit; the demo model holds 128 positions (default: %(default)s)",
+    )
     pipeline.add_argument("--batch-groups", type=int, default=8, help="groups per step (default: %(default)s)")
     pipeline.add_argument("--n-samples", type=int, default=8, help="samples per group (default: %(default)s)")
     pipeline.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
-    pipeline.add_argument("--lr", type=float, default=1e-9,
-                          help="trainer learning rate; tiny by default, so the policy (and its output lengths) stays "
-                               "the same in every run and the ratios measure the system, not learning (default: %(default)s)")
+    pipeline.add_argument(
+        "--lr",
+        type=float,
+        default=1e-9,
+        help="trainer learning rate; tiny by default, so the policy (and its output lengths) stays "
+        "the same in every run and the ratios measure the system, not learning (default: %(default)s)",
+    )
     pipeline.add_argument("--no-progress", action="store_true", help="no progress bars")
     staleness = kinds.add_parser(
-        "staleness", help="held-out accuracy vs staleness bound eta, naive vs decoupled PPO (the paper's Table 2)",
+        "staleness",
+        help="held-out accuracy vs staleness bound eta, naive vs decoupled PPO (the paper's Table 2)",
         description="Train the built-in task with eta in {0, 1, 2, 4, 8} under naive and decoupled PPO, one whole "
-                    "pipeline per run, from one warm-up model per seed. The full grid is 5 x 2 x 3 seeds = 30 runs of "
-                    "1,200 steps: about 3 h on 2 idle CPU cores, 4-6 h on busy ones. --quick: eta 0 and 4, one seed, "
-                    "600 steps, 4 runs: about 15 min idle, 21 min measured on 2 busy cores.")
+        "pipeline per run, from one warm-up model per seed. The full grid is 5 x 2 x 3 seeds = 30 runs of "
+        "1,200 steps: about 3 h on 2 idle CPU cores, 4-6 h on busy ones. --quick: eta 0 and 4, one seed, "
+        "600 steps, 4 runs: about 15 min idle, 21 min measured on 2 busy cores.",
+    )
     add_staleness_arguments(staleness)
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/bench/generate.json", help="JSON results file (default: %(default)s)")
-    parser.add_argument("--concurrency", type=int, default=64,
-                        help="engine max_batch, and HF batch size unless --hf-batch (default: %(default)s)")
-    parser.add_argument("--requests", type=int, default=256,
-                        help="requests per length distribution (default: %(default)s)")
-    parser.add_argument("--max-new-tokens", type=int, default=96,
-                        help="the longest output; every fixed-length request is this long (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="weights, prompts, lengths and sampling (default: %(default)s)")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=64,
+        help="engine max_batch, and HF batch size unless --hf-batch (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--requests", type=int, default=256, help="requests per length distribution (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=96,
+        help="the longest output; every fixed-length request is this long (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="weights, prompts, lengths and sampling (default: %(default)s)"
+    )
     parser.add_argument("--hf-batch", type=int, default=None, help="HF generate batch size (default: --concurrency)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads; more only pays on an idle machine, tiny matmuls lose under contention "
-                             "(default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="alternating runs per system and length distribution; the fastest counts "
-                             "(default: %(default)s)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads; more only pays on an idle machine, tiny matmuls lose under contention "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="alternating runs per system and length distribution; the fastest counts (default: %(default)s)",
+    )
 
 
 def add_staleness_arguments(parser: argparse.ArgumentParser) -> None:
@@ -97,37 +127,56 @@ def add_staleness_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="eta 0 and 4 only, seed 0, 600 steps")
     parser.add_argument("--seeds", type=int, nargs="+", help="seeds (default: 0 1 2; --quick: 0)")
     parser.add_argument("--steps", type=int, help="trainer steps per run (default: 1200, the demo's; --quick: 600)")
-    parser.add_argument("--eval-every", type=int, default=50,
-                        help="steps between held-out evaluations (default: %(default)s)")
-    parser.add_argument("--out", help="JSON results file, the plot next to it as .png "
-                                      "(default: runs/bench/staleness.json; --quick: runs/bench/staleness-quick.json)")
+    parser.add_argument(
+        "--eval-every", type=int, default=50, help="steps between held-out evaluations (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--out",
+        help="JSON results file, the plot next to it as .png "
+        "(default: runs/bench/staleness.json; --quick: runs/bench/staleness-quick.json)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    parser.add_argument("--merge", nargs="+", metavar="JSON",
-                        help="run nothing: one table and plot from reports of separate runs (e.g. one seed each)")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: one table and plot from reports of separate runs (e.g. one seed each)",
+    )
 
 
 def add_microbatch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/bench/microbatch.json", help="JSON results file (default: %(default)s)")
     parser.add_argument("--sequences", type=int, default=32, help="sequences per step (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per run, after one warm-up (default: %(default)s)")
-    parser.add_argument("--max-length", type=int, default=512,
-                        help="longest sequence, prompt + completion (default: %(default)s)")
-    parser.add_argument("--budget", type=int, default=1024,
-                        help="tokens per dynamic micro-batch; the fixed count is chosen to stay within it "
-                             "(default: %(default)s)")
+    parser.add_argument(
+        "--steps", type=int, default=5, help="timed steps per run, after one warm-up (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--max-length", type=int, default=512, help="longest sequence, prompt + completion (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--budget",
+        type=int,
+        default=1024,
+        help="tokens per dynamic micro-batch; the fixed count is chosen to stay within it (default: %(default)s)",
+    )
     parser.add_argument("--hidden-size", type=int, default=256, help="model width (default: %(default)s)")
     parser.add_argument("--layers", type=int, default=2, help="model depth (default: %(default)s)")
     parser.add_argument("--vocab-size", type=int, default=4096, help="(default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="alternating runs per mode, each in a fresh process; the fastest counts "
-                             "(default: %(default)s)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="alternating runs per mode, each in a fresh process; the fastest counts (default: %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="weights, lengths and tokens (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
 
 
 def add_topics_parser(commands: argparse._SubParsersAction) -> None:
-    topics = commands.add_parser("topics", help="list topics with offsets and counts per partition; export or import a run's topics")
+    topics = commands.add_parser(
+        "topics", help="list topics with offsets and counts per partition; export or import a run's topics"
+    )
     add_broker_options(topics)
     actions = topics.add_subparsers(dest="action")
     export = actions.add_parser("export", help="write every topic of a run to one file")
@@ -142,8 +191,12 @@ def add_replay_parser(commands: argparse._SubParsersAction) -> None:
     replay = commands.add_parser("replay", help="decode and show what a run's topics recorded")
     kinds = replay.add_subparsers(dest="what", required=True, metavar="{tail,trajectory,step,rescore,retrain}")
     tail = kinds.add_parser("tail", help="decode and print the messages of one topic")
-    tail.add_argument("topic", help="a topic role (prompts, segments, scored, weights, batches, dead-letter) or its name")
-    tail.add_argument("--id", help="only messages with this id (prompt id, trajectory id, step, version, origin) or under it")
+    tail.add_argument(
+        "topic", help="a topic role (prompts, segments, scored, weights, batches, dead-letter) or its name"
+    )
+    tail.add_argument(
+        "--id", help="only messages with this id (prompt id, trajectory id, step, version, origin) or under it"
+    )
     tail.add_argument("--from-offset", type=int, default=None, help="start every partition at this offset")
     tail.add_argument("--limit", type=int, default=None, help="the last N messages (the first N with --from-offset)")
     tail.add_argument("--json", action="store_true", help="one JSON object per line, nothing cut")
@@ -151,13 +204,25 @@ def add_replay_parser(commands: argparse._SubParsersAction) -> None:
     trajectory.add_argument("trajectory_id", help="<prompt id>/<sample index>")
     step = kinds.add_parser("step", help="the manifest of one step: trajectories, rewards, staleness, dropped groups")
     step.add_argument("step", type=int)
-    rescore = kinds.add_parser("rescore", help="score the recorded trajectories again with another reward function; show what changed")
+    rescore = kinds.add_parser(
+        "rescore", help="score the recorded trajectories again with another reward function; show what changed"
+    )
     rescore.add_argument("--reward", required=True, help="as data.reward: 'builtin', 'math' or 'module:function'")
-    rescore.add_argument("--processes", type=int, default=None, help="scoring processes (default: the config's reward.processes, else 1)")
-    rescore.add_argument("--timeout", type=float, default=None, help="per-call time limit in s (default: the config's reward.timeout_s, else 10)")
+    rescore.add_argument(
+        "--processes", type=int, default=None, help="scoring processes (default: the config's reward.processes, else 1)"
+    )
+    rescore.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="per-call time limit in s (default: the config's reward.timeout_s, else 10)",
+    )
     rescore.add_argument("--json", action="store_true", help="one JSON object: counts, mean rewards, every difference")
-    retrain = kinds.add_parser("retrain", help="train step N again from its manifest and the checkpoint before it; "
-                               "compare with the weights the run recorded (needs --config: checkpoints, weights)")
+    retrain = kinds.add_parser(
+        "retrain",
+        help="train step N again from its manifest and the checkpoint before it; "
+        "compare with the weights the run recorded (needs --config: checkpoints, weights)",
+    )
     retrain.add_argument("--step", type=int, required=True, help="the step to rebuild")
     for kind in (tail, trajectory, step, rescore, retrain):
         add_broker_options(kind)
@@ -167,7 +232,9 @@ def add_replay_parser(commands: argparse._SubParsersAction) -> None:
 def add_broker_options(parser: argparse.ArgumentParser, inherited: bool = False) -> None:
     """--config/--bootstrap/--prefix; a subcommand's copy leaves its parent's values alone unless given."""
     default = argparse.SUPPRESS if inherited else None
-    parser.add_argument("--config", default=default, help="a run's resolved config (runs/<run>/config.yaml): broker, prefix, model")
+    parser.add_argument(
+        "--config", default=default, help="a run's resolved config (runs/<run>/config.yaml): broker, prefix, model"
+    )
     parser.add_argument("--bootstrap", default=default, help="broker HOST:PORT (instead of the config's)")
     parser.add_argument("--prefix", default=default, help="topic prefix (instead of the config's)")
 
@@ -242,7 +309,11 @@ def inspect_run(args: argparse.Namespace) -> int:
     try:
         return topics_command(args) if args.command == "topics" else replay_command(args)
     except KafkaError as exc:
-        print(f"asyncrl: broker error: {exc} (a finished run's embedded broker is gone; `asyncrl replay ... --export FILE` reads its export)", file=sys.stderr)
+        print(
+            f"asyncrl: broker error: {exc} (a finished run's embedded broker is gone; "
+            "`asyncrl replay ... --export FILE` reads its export)",
+            file=sys.stderr,
+        )
     except (LookupError, ExportError, TimeoutError, OSError) as exc:
         print(f"asyncrl: {exc}", file=sys.stderr)
     return 1

@@ -46,9 +46,14 @@ class WandbStream:
 
         telemetry = config.telemetry
         try:
-            self.run = wandb.init(project=telemetry.wandb_project, entity=telemetry.wandb_entity or None,
-                                  mode=telemetry.wandb_mode or None, name=config.name, dir=run_dir,
-                                  config=msgspec.to_builtins(config))
+            self.run = wandb.init(
+                project=telemetry.wandb_project,
+                entity=telemetry.wandb_entity or None,
+                mode=telemetry.wandb_mode or None,
+                name=config.name,
+                dir=run_dir,
+                config=msgspec.to_builtins(config),
+            )
         except wandb.errors.Error as exc:  # e.g. online without `wandb login`: say so before any worker starts
             raise ConfigError(f"W&B: {exc}") from None
         self.path, self.offset, self.axes = run_dir / "metrics.jsonl", 0, set()
@@ -61,8 +66,13 @@ class WandbStream:
             if axis not in self.axes:
                 self.run.define_metric(f"{axis}/*", step_metric=f"{axis}/step")
                 self.axes.add(axis)
-            self.run.log({f"{axis}/{key}": value for key, value in line.items()
-                          if key != "time" and isinstance(value, (int, float))})
+            self.run.log(
+                {
+                    f"{axis}/{key}": value
+                    for key, value in line.items()
+                    if key != "time" and isinstance(value, (int, float))
+                }
+            )
 
     def finish(self, summary: dict) -> None:
         import wandb
@@ -73,8 +83,32 @@ class WandbStream:
         wandb.teardown()  # run.finish() may return before wandb-core has written the run's log; this waits for it
 
 
-def follow(config: RunConfig, run_dir: Path, workers: list, evaluator: Evaluator | None,
-           base_accuracy: float | None, started: float, progress: bool, wandb_stream: WandbStream | None = None) -> str:
+def restart_exited(workers: list, codes: list[int | None], bar: tqdm) -> bool:
+    """Restart every worker that ended before its time; False once one has used up its restarts."""
+    for worker, code in zip(workers, codes, strict=True):
+        # other workers end with 0 only when the final weights are out (or on a stop): done, not failed
+        if code is not None and (code != 0 or worker.role == "trainer"):
+            if worker.restarts >= MAX_RESTARTS:
+                bar.write(
+                    f"asyncrl: {worker.name} failed {worker.restarts + 1} times (exit {code}); see {worker.log_path}"
+                )
+                return False
+            bar.write(f"asyncrl: {worker.name} exited with {code}; restarting it")
+            worker.restarts += 1
+            worker.start()
+    return True
+
+
+def follow(
+    config: RunConfig,
+    run_dir: Path,
+    workers: list,
+    evaluator: Evaluator | None,
+    base_accuracy: float | None,
+    started: float,
+    progress: bool,
+    wandb_stream: WandbStream | None = None,
+) -> str:
     """Until the trainer's last step: 'finished', 'interrupted' (Ctrl-C), 'timeout' or 'failed'."""
     metrics_path = run_dir / "metrics.jsonl"
     writer = runtime.MetricsWriter(metrics_path, "eval")
@@ -98,19 +132,19 @@ def follow(config: RunConfig, run_dir: Path, workers: list, evaluator: Evaluator
                     if measured is not None:
                         accuracy = measured
                         writer.write(step=step, heldout_accuracy=accuracy)
-                bar.set_postfix(reward=f"{line['reward_mean']:.2f}", acc="-" if accuracy is None else f"{accuracy:.2f}",
-                                stale=f"{line['staleness_mean']:.1f}", tok_s=f"{line['tokens_per_s']:.0f}", refresh=False)
-            if step >= config.trainer.steps and all(code == 0 for w, code in zip(workers, codes) if w.role == "trainer"):
+                bar.set_postfix(
+                    reward=f"{line['reward_mean']:.2f}",
+                    acc="-" if accuracy is None else f"{accuracy:.2f}",
+                    stale=f"{line['staleness_mean']:.1f}",
+                    tok_s=f"{line['tokens_per_s']:.0f}",
+                    refresh=False,
+                )
+            if step >= config.trainer.steps and all(
+                code == 0 for w, code in zip(workers, codes, strict=True) if w.role == "trainer"
+            ):
                 return "finished"
-            for worker, code in zip(workers, codes):
-                # other workers end with 0 only when the final weights are out (or on a stop): done, not failed
-                if code is not None and (code != 0 or worker.role == "trainer"):
-                    if worker.restarts >= MAX_RESTARTS:
-                        bar.write(f"asyncrl: {worker.name} failed {worker.restarts + 1} times (exit {code}); see {worker.log_path}")
-                        return "failed"
-                    bar.write(f"asyncrl: {worker.name} exited with {code}; restarting it")
-                    worker.restarts += 1
-                    worker.start()
+            if not restart_exited(workers, codes, bar):
+                return "failed"
             if config.max_wall_s and time.time() - started > config.max_wall_s:
                 bar.write(f"asyncrl: max_wall_s={config.max_wall_s} reached, stopping")
                 return "timeout"
@@ -122,8 +156,15 @@ def follow(config: RunConfig, run_dir: Path, workers: list, evaluator: Evaluator
         bar.close()
 
 
-def finish(config: RunConfig, run_dir: Path, evaluator: Evaluator | None, base_accuracy: float | None,
-           outcome: str, started: float, wandb_stream: WandbStream | None = None) -> dict:
+def finish(
+    config: RunConfig,
+    run_dir: Path,
+    evaluator: Evaluator | None,
+    base_accuracy: float | None,
+    outcome: str,
+    started: float,
+    wandb_stream: WandbStream | None = None,
+) -> dict:
     """Final evaluation, then summary.json, curves.png, TensorBoard events and the W&B run's summary."""
     lines, _ = read_metrics(run_dir / "metrics.jsonl")
     steps = [l for l in lines if l["source"] == "trainer"]
@@ -132,16 +173,22 @@ def finish(config: RunConfig, run_dir: Path, evaluator: Evaluator | None, base_a
     if evaluator and last:
         final_accuracy = evaluator.accuracy(version_path(runtime.weights_dir(config), last["step"]))
         if final_accuracy is not None:
-            runtime.MetricsWriter(run_dir / "metrics.jsonl", "eval").write(step=last["step"], heldout_accuracy=final_accuracy)
+            runtime.MetricsWriter(run_dir / "metrics.jsonl", "eval").write(
+                step=last["step"], heldout_accuracy=final_accuracy
+            )
     summary = {
-        "run": config.name, "outcome": outcome,
-        "base_accuracy": base_accuracy, "final_accuracy": final_accuracy,
-        "steps": last.get("step", 0), "max_staleness": config.trainer.max_staleness,
+        "run": config.name,
+        "outcome": outcome,
+        "base_accuracy": base_accuracy,
+        "final_accuracy": final_accuracy,
+        "steps": last.get("step", 0),
+        "max_staleness": config.trainer.max_staleness,
         "max_staleness_trained": last.get("max_staleness_trained", 0),
         "trained_tokens": last.get("trained_tokens", 0),
         "interrupted_trajectories": last.get("interrupted_trajectories", 0),
         "mixed_version_trajectories": last.get("mixed_version_trajectories", 0),
-        "groups_consumed": last.get("groups_consumed", 0), "groups_dropped": last.get("groups_dropped", 0),
+        "groups_consumed": last.get("groups_consumed", 0),
+        "groups_dropped": last.get("groups_dropped", 0),
         "trained_tokens_per_s": last.get("tokens_per_s", 0.0),
         "wall_seconds": round(time.time() - started, 1),
     }

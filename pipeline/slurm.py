@@ -50,33 +50,56 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     slurm = commands.add_parser("slurm", help="run a pipeline as a Slurm job, one srun step per role")
     actions = slurm.add_subparsers(dest="action", required=True)
     submit = actions.add_parser(
-        "submit", help="render the job script and sbatch it; prints the job id",
+        "submit",
+        help="render the job script and sbatch it; prints the job id",
         description="Render the job template (pipeline/templates/pipeline.sbatch, installed with the package) "
-                    "for this run and submit it with sbatch. runs_dir must be on a filesystem every node "
-                    "mounts. Resubmitting a run name resumes from its last checkpoint; that needs an external "
-                    "Kafka (broker.bootstrap), the embedded broker's topics end with its job.",
+        "for this run and submit it with sbatch. runs_dir must be on a filesystem every node "
+        "mounts. Resubmitting a run name resumes from its last checkpoint; that needs an external "
+        "Kafka (broker.bootstrap), the embedded broker's topics end with its job.",
     )
     submit.add_argument("config", nargs="?", help="YAML run config (default: the built-in demo)")
     submit.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=100")
     submit.add_argument("--dry-run", action="store_true", help="print the job script, submit nothing")
     submit.add_argument("--nodes", type=positive, default=1, help="nodes of the job (default: %(default)s)")
-    submit.add_argument("--trainer-nodes", type=positive, default=1,
-                        help="the first N nodes run the trainer, the others rollout workers (default: %(default)s)")
-    submit.add_argument("--gpus-per-node", type=positive_or_zero, default=0,
-                        help="GPUs (gres gpu) per node, one for each trainer rank and each rollout worker; "
-                             "0 runs on CPU with rollout.workers rollout workers (default: %(default)s)")
-    submit.add_argument("--trainer-gpus", type=positive, default=None,
-                        help="trainer ranks (one GPU each) per trainer node (default: all GPUs of a trainer node; "
-                             "half of them on a single node, the rest for rollout)")
-    submit.add_argument("--shared", metavar="DIR",
-                        help="runs_dir on a filesystem every node mounts (default: the config's runs_dir)")
-    submit.add_argument("--broker-port", type=positive, default=None,
-                        help="the embedded broker's port on node 0; torchrun's rendezvous takes the next one "
-                             "(default: 20000 + 2 * (job id %% 20000))")
+    submit.add_argument(
+        "--trainer-nodes",
+        type=positive,
+        default=1,
+        help="the first N nodes run the trainer, the others rollout workers (default: %(default)s)",
+    )
+    submit.add_argument(
+        "--gpus-per-node",
+        type=positive_or_zero,
+        default=0,
+        help="GPUs (gres gpu) per node, one for each trainer rank and each rollout worker; "
+        "0 runs on CPU with rollout.workers rollout workers (default: %(default)s)",
+    )
+    submit.add_argument(
+        "--trainer-gpus",
+        type=positive,
+        default=None,
+        help="trainer ranks (one GPU each) per trainer node (default: all GPUs of a trainer node; "
+        "half of them on a single node, the rest for rollout)",
+    )
+    submit.add_argument(
+        "--shared", metavar="DIR", help="runs_dir on a filesystem every node mounts (default: the config's runs_dir)"
+    )
+    submit.add_argument(
+        "--broker-port",
+        type=positive,
+        default=None,
+        help="the embedded broker's port on node 0; torchrun's rendezvous takes the next one "
+        "(default: 20000 + 2 * (job id %% 20000))",
+    )
     submit.add_argument("--partition", help="Slurm partition")
     submit.add_argument("--time", help="time limit, e.g. 4:00:00")
-    submit.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
-                        help="one more #SBATCH option, e.g. --sbatch-arg=--account=rl (repeatable)")
+    submit.add_argument(
+        "--sbatch-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more #SBATCH option, e.g. --sbatch-arg=--account=rl (repeatable)",
+    )
 
 
 def positive(text: str) -> int:
@@ -119,8 +142,10 @@ def plan(nodes: int, trainer_nodes: int, gpus: int, trainer_gpus: int | None, cp
         return Layout(nodes, trainer_nodes, 0, 1, tuple(workers))
     ranks = trainer_gpus or (gpus // 2 if shared else gpus)
     if shared and not 0 < ranks < gpus:
-        raise SlurmError(f"one node with --gpus-per-node={gpus}: the trainer (--trainer-gpus, default half) and "
-                         "the rollout workers need at least one GPU each; use more GPUs or nodes")
+        raise SlurmError(
+            f"one node with --gpus-per-node={gpus}: the trainer (--trainer-gpus, default half) and "
+            "the rollout workers need at least one GPU each; use more GPUs or nodes"
+        )
     if ranks > gpus:
         raise SlurmError(f"--trainer-gpus={ranks} exceeds --gpus-per-node={gpus}")
     per_node = gpus - ranks if shared else gpus
@@ -151,32 +176,78 @@ def cpus_per_node(config: RunConfig, layout: Layout, embedded_broker: bool) -> i
     return max(need)
 
 
+def gres(layout: Layout, count: int) -> list[str]:
+    """A step's GPU request: nothing on a CPU cluster; with GPUs always explicit, --gres=none included."""
+    if not layout.gpus_per_node:
+        return []
+    return [f"--gres=gpu:{count}" if count else "--gres=none"]
+
+
+def trainer_step(config: RunConfig, layout: Layout) -> list[str]:
+    """The trainer's step: torchrun on each trainer node, standalone or meeting at the head node."""
+    rendezvous = (
+        ["--standalone"]
+        if layout.trainer_nodes == 1
+        else ["--rdzv-backend=c10d", '--rdzv-endpoint="$HEAD:$((PORT + 1))"', '--rdzv-id="$SLURM_JOB_ID"']
+    )
+    return [
+        "trainer",
+        f"--nodes={layout.trainer_nodes}",
+        "--ntasks-per-node=1",
+        f"--cpus-per-task={config.trainer.threads * layout.trainer_ranks}",
+        "--relative=0",
+        *gres(layout, layout.trainer_ranks),
+        "\\\n   ",
+        '"$PY"',
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={layout.trainer_nodes}",
+        f"--nproc-per-node={layout.trainer_ranks}",
+        *rendezvous,
+        "\\\n   ",
+        "-m",
+        "pipeline.cli",
+        "worker",
+        "trainer",
+        "--config",
+        '"$CONFIG"',
+    ]
+
+
 def worker_steps(config: RunConfig, layout: Layout) -> str:
     """The `launch` lines of the template: trainer, rollout workers, reward, prompts."""
-    def gres(count: int) -> list[str]:
-        if not layout.gpus_per_node:
-            return []
-        return [f"--gres=gpu:{count}" if count else "--gres=none"]
-
     worker = ['"$PY"', "-m", "pipeline.cli", "worker"]
     config_file = ["--config", '"$CONFIG"']
-    rendezvous = (["--standalone"] if layout.trainer_nodes == 1 else
-                  ["--rdzv-backend=c10d", '--rdzv-endpoint="$HEAD:$((PORT + 1))"', '--rdzv-id="$SLURM_JOB_ID"'])
-    trainer = [
-        "trainer", f"--nodes={layout.trainer_nodes}", "--ntasks-per-node=1",
-        f"--cpus-per-task={config.trainer.threads * layout.trainer_ranks}", "--relative=0",
-        *gres(layout.trainer_ranks), "\\\n   ", '"$PY"', "-m", "torch.distributed.run",
-        f"--nnodes={layout.trainer_nodes}", f"--nproc-per-node={layout.trainer_ranks}", *rendezvous, "\\\n   ",
-        "-m", "pipeline.cli", "worker", "trainer", *config_file,
-    ]
     one_task = ["--nodes=1", "--ntasks=1"]
-    steps = [trainer]
+    steps = [trainer_step(config, layout)]
     for node in layout.rollout_nodes:
-        steps.append(["rollout", *one_task, f"--cpus-per-task={config.rollout.threads}", f"--relative={node}",
-                      *gres(1), *worker, "rollout", *config_file])
-    steps.append(["reward", *one_task, f"--cpus-per-task={config.reward.processes + 1}", "--relative=0",
-                  *gres(0), *worker, "reward", *config_file])
-    steps.append(["prompts", *one_task, "--cpus-per-task=1", "--relative=0", *gres(0), *worker, "prompts", *config_file])
+        steps.append(
+            [
+                "rollout",
+                *one_task,
+                f"--cpus-per-task={config.rollout.threads}",
+                f"--relative={node}",
+                *gres(layout, 1),
+                *worker,
+                "rollout",
+                *config_file,
+            ]
+        )
+    steps.append(
+        [
+            "reward",
+            *one_task,
+            f"--cpus-per-task={config.reward.processes + 1}",
+            "--relative=0",
+            *gres(layout, 0),
+            *worker,
+            "reward",
+            *config_file,
+        ]
+    )
+    steps.append(
+        ["prompts", *one_task, "--cpus-per-task=1", "--relative=0", *gres(layout, 0), *worker, "prompts", *config_file]
+    )
     return "\n".join("launch " + " ".join(words) for words in steps)
 
 
@@ -191,15 +262,23 @@ def render(path: str, overrides: list[str], config: RunConfig, args: argparse.Na
     run_dir = runs_dir / config.name
     embedded = not config.broker.bootstrap
     if embedded and (run_dir / "config.yaml").exists():
-        raise SlurmError(f"{run_dir} is from an earlier job whose embedded broker took the run's topics with it; "
-                         "resuming needs an external Kafka (broker.bootstrap=HOST:PORT), or use a new run name")
+        raise SlurmError(
+            f"{run_dir} is from an earlier job whose embedded broker took the run's topics with it; "
+            "resuming needs an external Kafka (broker.bootstrap=HOST:PORT), or use a new run name"
+        )
     try:
         template = JobTemplate(TEMPLATE.read_text(encoding="utf-8"))
     except OSError as exc:
-        raise SlurmError(f"job template {TEMPLATE}: {exc.strerror} (the asyncrl install lacks its package data; "
-                         "reinstall it)") from exc
-    options = [f"--job-name=asyncrl-{config.name}", f"--nodes={layout.nodes}", "--ntasks-per-node=1",
-               f"--cpus-per-task={cpus_per_node(config, layout, embedded)}", f"--output={run_dir}/slurm-%j.out"]
+        raise SlurmError(
+            f"job template {TEMPLATE}: {exc.strerror} (the asyncrl install lacks its package data; reinstall it)"
+        ) from exc
+    options = [
+        f"--job-name=asyncrl-{config.name}",
+        f"--nodes={layout.nodes}",
+        "--ntasks-per-node=1",
+        f"--cpus-per-task={cpus_per_node(config, layout, embedded)}",
+        f"--output={run_dir}/slurm-%j.out",
+    ]
     if layout.gpus_per_node:
         options.append(f"--gres=gpu:{layout.gpus_per_node}")
     if embedded:
@@ -228,7 +307,9 @@ def submit(path: str, overrides: list[str], config: RunConfig, args: argparse.Na
             return 0
         sbatch = shutil.which("sbatch")
         if sbatch is None:
-            raise SlurmError("sbatch not found on PATH: submit from a Slurm login node (--dry-run prints the job script)")
+            raise SlurmError(
+                "sbatch not found on PATH: submit from a Slurm login node (--dry-run prints the job script)"
+            )
         run_dir.mkdir(parents=True, exist_ok=True)
         script_path = run_dir / "pipeline.sbatch"
         script_path.write_text(script)
@@ -241,6 +322,8 @@ def submit(path: str, overrides: list[str], config: RunConfig, args: argparse.Na
     job = done.stdout.strip().split(";")[0]  # --parsable: "<id>[;<cluster>]"
     print(job)
     shared = f"; {run_dir.parent} must be mounted on all {args.nodes} nodes" if args.nodes > 1 else ""
-    print(f"asyncrl: job {job}: output {run_dir}/slurm-{job}.out, logs {run_dir}/logs{shared}; "
-          f"`scancel {job}` stops it", file=sys.stderr)
+    print(
+        f"asyncrl: job {job}: output {run_dir}/slurm-{job}.out, logs {run_dir}/logs{shared}; `scancel {job}` stops it",
+        file=sys.stderr,
+    )
     return 0

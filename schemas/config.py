@@ -24,11 +24,16 @@ class BrokerConfig(Section):
     bootstrap: Annotated[str, doc("Kafka bootstrap HOST:PORT; empty = start the embedded Tansu broker")] = ""
     topic_prefix: Annotated[str, doc("prefix for every topic name, to share one broker between runs")] = ""
     partitions: Annotated[int, doc("partitions of prompts/segments/scored (weights always has 1)", ge=1)] = 1
-    fetch_wait_ms: Annotated[int, doc(
-        "longest a worker's fetch waits at the broker for new records (Tansu answers only at this deadline, so "
-        "it is latency per hop); 0 = 20 when trainer.max_staleness is 0 (every hop is on the critical path "
-        "of a synchronous step), else 200 (the pipeline runs ahead, so latency is hidden, and fewer idle "
-        "fetches leave the cores to generation and training)", ge=0)] = 0
+    fetch_wait_ms: Annotated[
+        int,
+        doc(
+            "longest a worker's fetch waits at the broker for new records (Tansu answers only at this deadline, so "
+            "it is latency per hop); 0 = 20 when trainer.max_staleness is 0 (every hop is on the critical path "
+            "of a synchronous step), else 200 (the pipeline runs ahead, so latency is hidden, and fewer idle "
+            "fetches leave the cores to generation and training)",
+            ge=0,
+        ),
+    ] = 0
 
 
 class ModelConfig(Section):
@@ -41,9 +46,9 @@ class ModelConfig(Section):
 
 class DataConfig(Section):
     source: Annotated[str, doc("'builtin' (the demo task) or a JSONL file with prompt/answer fields")] = "builtin"
-    reward: Annotated[
-        str, doc("'builtin' (exact match), 'math' (math-verify) or 'module:function' of your own")
-    ] = "builtin"
+    reward: Annotated[str, doc("'builtin' (exact match), 'math' (math-verify) or 'module:function' of your own")] = (
+        "builtin"
+    )
     n_samples: Annotated[int, doc("completions per prompt (the GRPO group size)", ge=1)] = 8
     epochs: Annotated[int, doc("passes over the dataset before the prompt source stops", ge=1)] = 1000
     held_out: Annotated[int, doc("built-in task: problems kept out of training for evaluation", ge=1)] = 200
@@ -93,9 +98,7 @@ class LossConfig(Section):
     clip_eps_high: Annotated[
         float, doc("upper ratio clip epsilon (clip-higher): clip(r, 1-clip_eps, 1+clip_eps_high); 0 = clip_eps", ge=0)
     ] = 0.0
-    behaviour_weight_cap: Annotated[
-        float, doc("cap on the behaviour weight pi_prox/pi_behav; 0 = no cap", ge=0)
-    ] = 0.0
+    behaviour_weight_cap: Annotated[float, doc("cap on the behaviour weight pi_prox/pi_behav; 0 = no cap", ge=0)] = 0.0
     behaviour_weight_mode: Annotated[
         Literal["cap", "mask"],
         doc("above behaviour_weight_cap: 'cap' clamps the weight to the cap, 'mask' drops the token/sequence"),
@@ -106,8 +109,10 @@ class LossConfig(Section):
     ] = "token"
     aggregation: Annotated[
         Literal["token_mean", "seq_mean", "token_sum_norm"],
-        doc("token_mean: over all tokens of the minibatch; seq_mean: per sequence, then over sequences; "
-            "token_sum_norm: token sum / (sequences * rollout.max_new_tokens), Dr.GRPO's (use with advantage=drgrpo)"),
+        doc(
+            "token_mean: over all tokens of the minibatch; seq_mean: per sequence, then over sequences; "
+            "token_sum_norm: token sum / (sequences * rollout.max_new_tokens), Dr.GRPO's (use with advantage=drgrpo)"
+        ),
     ] = "token_mean"
     kl_coef: Annotated[
         float,
@@ -124,13 +129,14 @@ class MicrobatchConfig(Section):
     ] = "dynamic"
     max_tokens: Annotated[
         int,
-        doc("dynamic: token budget (prompt + completion) of one packed micro-batch; a longer sequence goes alone. "
-            "Activation memory grows with it (the logits alone are budget x vocabulary floats)", ge=1),
+        doc(
+            "dynamic: token budget (prompt + completion) of one packed micro-batch; a longer sequence goes alone. "
+            "Activation memory grows with it (the logits alone are budget x vocabulary floats)",
+            ge=1,
+        ),
     ] = 1024
     min_count: Annotated[int, doc("dynamic: at least this many micro-batches per minibatch", ge=1)] = 1
-    fixed_count: Annotated[
-        int, doc("fixed: micro-batches per minibatch (contiguous, equal sequence counts)", ge=1)
-    ] = 1
+    fixed_count: Annotated[int, doc("fixed: micro-batches per minibatch (contiguous, equal sequence counts)", ge=1)] = 1
 
 
 class CheckpointConfig(Section):
@@ -172,11 +178,18 @@ class TelemetryConfig(Section):
         float, doc("share of prompts whose whole journey is traced (decided once, at release)", ge=0, le=1)
     ] = 0.05
     otlp_endpoint: Annotated[
-        str, doc("OTLP/HTTP endpoint for spans, e.g. http://127.0.0.1:4318; empty = $OTEL_EXPORTER_OTLP_ENDPOINT, else <run dir>/traces.jsonl")
+        str,
+        doc(
+            "OTLP/HTTP endpoint for spans, e.g. http://127.0.0.1:4318; "
+            "empty = $OTEL_EXPORTER_OTLP_ENDPOINT, else <run dir>/traces.jsonl"
+        ),
     ] = ""
     wandb_project: Annotated[
-        str, doc("Weights & Biases project that `asyncrl run` streams metrics.jsonl to (needs the wandb extra); empty = off",
-                 max_length=128)
+        str,
+        doc(
+            "Weights & Biases project that `asyncrl run` streams metrics.jsonl to (needs the wandb extra); empty = off",
+            max_length=128,
+        ),
     ] = ""
     wandb_entity: Annotated[str, doc("W&B user or team that owns the project; empty = your default entity")] = ""
     wandb_mode: Annotated[
@@ -188,7 +201,9 @@ class TelemetryConfig(Section):
         if (self.wandb_entity or self.wandb_mode) and not self.wandb_project:
             raise ValueError("telemetry.wandb_entity and telemetry.wandb_mode need telemetry.wandb_project")
         if set(self.wandb_project) & set(WANDB_FORBIDDEN):
-            raise ValueError(f"telemetry.wandb_project {self.wandb_project!r}: W&B forbids any of {WANDB_FORBIDDEN} in a name")
+            raise ValueError(
+                f"telemetry.wandb_project {self.wandb_project!r}: W&B forbids any of {WANDB_FORBIDDEN} in a name"
+            )
 
 
 class RunConfig(Section):
@@ -213,7 +228,9 @@ class RunConfig(Section):
         if self.data.source != "builtin" and self.data.reward == "builtin":
             raise ValueError("data.reward 'builtin' verifies the built-in task only; use 'math' or 'module:function'")
         if self.data.source != "builtin" and not self.model.path:
-            raise ValueError("data.source other than 'builtin' needs model.path (the demo model only knows its own task)")
+            raise ValueError(
+                "data.source other than 'builtin' needs model.path (the demo model only knows its own task)"
+            )
         if self.rollout.workers > self.broker.partitions:
             raise ValueError(
                 f"rollout.workers={self.rollout.workers} needs broker.partitions >= {self.rollout.workers} "
@@ -221,5 +238,6 @@ class RunConfig(Section):
             )
         if self.trainer.optim.minibatches > self.trainer.batch_groups * self.data.n_samples:
             raise ValueError(
-                "trainer.optim.minibatches cannot exceed the trajectories per step (trainer.batch_groups * data.n_samples)"
+                "trainer.optim.minibatches cannot exceed the trajectories per step "
+                "(trainer.batch_groups * data.n_samples)"
             )

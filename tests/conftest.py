@@ -63,3 +63,26 @@ async def topic_layout(broker: EmbeddedBroker, unique_name: Callable[[str], str]
     layout = TopicLayout(prefix=unique_name("run") + ".")
     await ensure_topics(broker.bootstrap, layout.names, layout.partitions)
     return layout
+
+
+@pytest.fixture
+def tiny_qwen2() -> Callable[..., object]:
+    """Builds the small Qwen2 (seed 0) the trainer tests share: `tiny_qwen2(attn_implementation="sdpa")`."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    def build(attn_implementation: str = "sdpa") -> Qwen2ForCausalLM:
+        torch.manual_seed(0)
+        config = Qwen2Config(
+            vocab_size=16,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=64,
+            max_position_embeddings=32,
+            attn_implementation=attn_implementation,
+        )
+        return Qwen2ForCausalLM(config).float()
+
+    return build

@@ -20,9 +20,7 @@ from topics.names import TopicLayout
 from topics.readers import read_topic
 from topics.transport import (
     CommitTracker,
-    Inbox,
     M,
-    Outbox,
     RawHeaders,
     RawRecord,
     TopicRecord,
@@ -77,41 +75,22 @@ class KafkaTransport(Transport):
         self.bootstrap, self.layout, self.fetch_wait_ms = bootstrap, layout, fetch_wait_ms
 
     @asynccontextmanager
-    async def outbox(self) -> AsyncIterator[Outbox]:
+    async def sink(self) -> AsyncIterator[ProducerSink]:
         async with make_producer(self.bootstrap, linger_ms=5) as producer:
-            yield Outbox(ProducerSink(producer), self.layout)
+            yield ProducerSink(producer)
 
     @asynccontextmanager
-    async def inbox(
-        self,
-        role: str,
-        cls: type[M],
-        outbox: Outbox,
-        *,
-        origin: str,
-        group: str | None = None,
-        start_offsets: Mapping[int, int] | None = None,
-        max_records: int | None = None,
-    ) -> AsyncIterator[Inbox[M]]:
-        topic, wait = self.layout.name(role), {"fetch_max_wait_ms": self.fetch_wait_ms}
+    async def source(
+        self, topic: str, group: str | None, start_offsets: Mapping[int, int], commits: CommitTracker
+    ) -> AsyncIterator[ConsumerSource]:
+        wait = {"fetch_max_wait_ms": self.fetch_wait_ms}
         if group is None:
             async with assigned_consumer(self.bootstrap, topic, start_offsets, **wait) as consumer:
-                yield Inbox(
-                    ConsumerSource(consumer, topic, grouped=False),
-                    cls,
-                    outbox,
-                    role=role,
-                    origin=origin,
-                    start_offsets=start_offsets,
-                    max_records=max_records,
-                )
+                yield ConsumerSource(consumer, topic, grouped=False)
             return
-        source = ConsumerSource(None, topic, grouped=True)  # the consumer needs the inbox's tracker first
-        inbox = Inbox(source, cls, outbox, role=role, origin=origin, max_records=max_records)
-        listener = ForgetRevoked(inbox.commits)
+        listener = ForgetRevoked(commits)
         async with make_group_consumer(self.bootstrap, topic, self.layout.prefix + group, listener, **wait) as consumer:
-            source.consumer = consumer
-            yield inbox
+            yield ConsumerSource(consumer, topic, grouped=True)
 
     async def read_all(self, role: str, cls: type[M]) -> list[TopicRecord]:
         return await read_topic(self.bootstrap, self.layout.name(role), cls)

@@ -17,9 +17,8 @@ from contextlib import asynccontextmanager
 
 from topics.names import TopicLayout
 from topics.transport import (
-    Inbox,
+    CommitTracker,
     M,
-    Outbox,
     RawHeaders,
     RawRecord,
     TopicRecord,
@@ -106,25 +105,16 @@ class MemoryTransport(Transport):
         self.broker = broker or MemoryBroker(self.layout)
 
     @asynccontextmanager
-    async def outbox(self) -> AsyncIterator[Outbox]:
-        yield Outbox(MemorySink(self.broker), self.layout)
+    async def sink(self) -> AsyncIterator[MemorySink]:
+        yield MemorySink(self.broker)
 
     @asynccontextmanager
-    async def inbox(
-        self,
-        role: str,
-        cls: type[M],
-        outbox: Outbox,
-        *,
-        origin: str,
-        group: str | None = None,
-        start_offsets: Mapping[int, int] | None = None,
-        max_records: int | None = None,
-    ) -> AsyncIterator[Inbox[M]]:
-        topic = self.layout.name(role)
-        start = self.broker.committed.get((group, topic), {}) if group is not None else (start_offsets or {})
-        source = MemorySource(self.broker, topic, start, group)
-        yield Inbox(source, cls, outbox, role=role, origin=origin, start_offsets=start_offsets, max_records=max_records)
+    async def source(
+        self, topic: str, group: str | None, start_offsets: Mapping[int, int], commits: CommitTracker
+    ) -> AsyncIterator[MemorySource]:
+        yield MemorySource(
+            self.broker, topic, self.broker.committed.get((group, topic), {}) if group else start_offsets, group
+        )
 
     async def read_all(self, role: str, cls: type[M]) -> list[TopicRecord]:
         records = [r for p in self.broker.records[self.layout.name(role)] for r in p]

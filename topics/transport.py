@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Awaitable, Mapping
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
@@ -143,7 +143,7 @@ class Inbox(Generic[M]):
 
     def __init__(
         self,
-        source: RecordSource,
+        source: RecordSource | None,
         cls: type[M],
         outbox: Outbox,
         *,
@@ -226,16 +226,19 @@ class TopicRecord(NamedTuple):
 
 
 class Transport(abc.ABC):
-    """Opens inboxes and outboxes on one run's topics (`layout`)."""
+    """Opens inboxes and outboxes on one run's topics (`layout`); an implementation gives sources and sinks."""
 
     layout: TopicLayout
 
-    @abc.abstractmethod
-    def outbox(self) -> AbstractAsyncContextManager[Outbox]:
+    @asynccontextmanager
+    async def outbox(self) -> AsyncIterator[Outbox]:
         """An outbox, flushed when the block ends."""
+        async with self.sink() as sink:
+            yield Outbox(sink, self.layout)
+            await sink.flush()
 
-    @abc.abstractmethod
-    def inbox(
+    @asynccontextmanager
+    async def inbox(
         self,
         role: str,
         cls: type[M],
@@ -245,18 +248,32 @@ class Transport(abc.ABC):
         group: str | None = None,
         start_offsets: Mapping[int, int] | None = None,
         max_records: int | None = None,
-    ) -> AbstractAsyncContextManager[Inbox[M]]:
+    ) -> AsyncIterator[Inbox[M]]:
         """An inbox of `role`. `group`: share the topic with the other workers of this consumer group,
         starting at the group's committed offsets; None: read every partition alone, from `start_offsets`
         (partitions not named: from the beginning)."""
-
-    @abc.abstractmethod
-    async def read_all(self, role: str, cls: type[M]) -> list[TopicRecord]:
-        """Every record of `role`'s topic up to its end now, decoded (or the DecodeError), by partition and offset."""
+        inbox = Inbox(None, cls, outbox, role=role, origin=origin, start_offsets=start_offsets, max_records=max_records)
+        async with self.source(self.layout.name(role), group, start_offsets or {}, inbox.commits) as source:
+            inbox.source = source
+            yield inbox
 
     def weights_follower(self, outbox: Outbox, *, origin: str) -> AbstractAsyncContextManager[Inbox[WeightVersion]]:
         """An inbox of `weights` from the beginning: wrap it in `WeightsFollower`."""
         return self.inbox("weights", WeightVersion, outbox, origin=origin)
+
+    @abc.abstractmethod
+    def sink(self) -> AbstractAsyncContextManager[RecordSink]:
+        """Where an outbox's records go."""
+
+    @abc.abstractmethod
+    def source(
+        self, topic: str, group: str | None, start_offsets: Mapping[int, int], commits: CommitTracker
+    ) -> AbstractAsyncContextManager[RecordSource]:
+        """Records of `topic` for one inbox (see `inbox`); `commits` forgets partitions a rebalance takes away."""
+
+    @abc.abstractmethod
+    async def read_all(self, role: str, cls: type[M]) -> list[TopicRecord]:
+        """Every record of `role`'s topic up to its end now, decoded (or the DecodeError), by partition and offset."""
 
 
 def record_headers(message: Message, headers: Headers | None = None) -> RawHeaders:

@@ -70,16 +70,23 @@ def long_tailed_lengths(n: int, limit: int, rng: random.Random) -> list[int]:
 
 def summary(lengths: list[int]) -> dict[str, float]:
     ordered = sorted(lengths)
-    return {"total": sum(ordered), "mean": round(sum(ordered) / len(ordered), 2), "p50": ordered[len(ordered) // 2],
-            "p90": ordered[int(len(ordered) * 0.9)], "max": ordered[-1]}
+    return {
+        "total": sum(ordered),
+        "mean": round(sum(ordered) / len(ordered), 2),
+        "p50": ordered[len(ordered) // 2],
+        "p90": ordered[int(len(ordered) * 0.9)],
+        "max": ordered[-1],
+    }
 
 
 def run_engine(model, prompts: list[list[int]], lengths: list[int], s: Settings, bar: tqdm) -> dict:
     """Submit everything at once; the engine keeps `concurrency` rows busy, admitting as rows finish."""
     engine = Engine(model, max_batch=s.concurrency, seed=s.seed)
     start, cpu = time.perf_counter(), time.process_time()
-    seqs = [engine.submit(str(i), p, SamplingParams(temperature=s.temperature, max_new_tokens=n))
-            for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
+    seqs = [
+        engine.submit(str(i), p, SamplingParams(temperature=s.temperature, max_new_tokens=n))
+        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+    ]
     steps = 0
     while not engine.idle():
         bar.update(sum(len(seq.token_ids) for seq in engine.step()))
@@ -87,8 +94,13 @@ def run_engine(model, prompts: list[list[int]], lengths: list[int], s: Settings,
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     if [len(seq.token_ids) for seq in seqs] != lengths:
         raise RuntimeError("engine produced other lengths than requested")
-    return {"seconds": round(seconds, 3), "cpu_seconds": round(cpu, 3),
-            "tokens_per_s": round(sum(lengths) / seconds, 1), "steps": steps, "forward": type(engine.forward).__name__}
+    return {
+        "seconds": round(seconds, 3),
+        "cpu_seconds": round(cpu, 3),
+        "tokens_per_s": round(sum(lengths) / seconds, 1),
+        "steps": steps,
+        "forward": type(engine.forward).__name__,
+    }
 
 
 def run_hf(model, prompts: list[list[int]], lengths: list[int], s: Settings, bar: tqdm) -> dict:
@@ -98,25 +110,39 @@ def run_hf(model, prompts: list[list[int]], lengths: list[int], s: Settings, bar
     generated = 0
     start, cpu = time.perf_counter(), time.process_time()
     for first in range(0, len(prompts), batch):
-        chunk, wanted = prompts[first:first + batch], lengths[first:first + batch]
+        chunk, wanted = prompts[first : first + batch], lengths[first : first + batch]
         width, longest = max(map(len, chunk)), max(wanted)
         ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])  # [b, width], left-padded
         mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in chunk])[:, None]).long()  # [b, width]
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=s.temperature,
-                             top_p=1.0, top_k=0, max_new_tokens=longest, pad_token_id=0, eos_token_id=None)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=s.temperature,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=longest,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
         if out.shape[1] != width + longest:
             raise RuntimeError("HF generate stopped early; the comparison needs forced lengths")
         generated += len(chunk) * longest
         bar.update(sum(wanted))
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    return {"seconds": round(seconds, 3), "cpu_seconds": round(cpu, 3),
-            "tokens_per_s": round(sum(lengths) / seconds, 1), "generated_tokens": generated,
-            "useful_fraction": round(sum(lengths) / generated, 3)}
+    return {
+        "seconds": round(seconds, 3),
+        "cpu_seconds": round(cpu, 3),
+        "tokens_per_s": round(sum(lengths) / seconds, 1),
+        "generated_tokens": generated,
+        "useful_fraction": round(sum(lengths) / generated, 3),
+    }
 
 
 def step_costs(model, prompts: list[list[int]], lengths: list[int], s: Settings) -> dict:
     """Milliseconds of a decode step by batch size, and of a weight update mid-run (best of `repeats`):
     the two sides of interruption."""
+
     def best_ms(run) -> float:
         times = []
         for _ in range(max(3, s.repeats)):
@@ -148,14 +174,21 @@ def step_costs(model, prompts: list[list[int]], lengths: list[int], s: Settings)
             engine.step()
 
         reprefill = best_ms(update)
-    return {"decode_step_ms": decode, "reprefill_ms": reprefill, "reprefill_rows": len(engine.slots),
-            "reprefill_context_mean": round(sum(map(len, engine.slots)) / max(1, len(engine.slots)), 1)}
+    return {
+        "decode_step_ms": decode,
+        "reprefill_ms": reprefill,
+        "reprefill_rows": len(engine.slots),
+        "reprefill_context_mean": round(sum(map(len, engine.slots)) / max(1, len(engine.slots)), 1),
+    }
 
 
 def fastest(runs: list[dict]) -> dict:
     """The quickest of repeated runs: load from other processes only ever slows a run down."""
-    return {**min(runs, key=lambda r: r["seconds"]), "seconds_all": [r["seconds"] for r in runs],
-            "cpu_seconds_min": min(r["cpu_seconds"] for r in runs)}
+    return {
+        **min(runs, key=lambda r: r["seconds"]),
+        "seconds_all": [r["seconds"] for r in runs],
+        "cpu_seconds_min": min(r["cpu_seconds"] for r in runs),
+    }
 
 
 def warm_up(model, prompts: list[list[int]], s: Settings) -> None:
@@ -166,22 +199,8 @@ def warm_up(model, prompts: list[list[int]], s: Settings) -> None:
     run_hf(model, few, [4] * len(few), small, quiet)
 
 
-def benchmark(s: Settings) -> dict:
-    rng = random.Random(s.seed)
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer = build_tokenizer(tmp)
-        model = build_model(tmp, tokenizer, seed=s.seed).eval()
-    limit = model.config.max_position_embeddings
-    if PROMPT_LENGTHS[1] + s.max_new_tokens > limit:
-        raise ValueError(f"--max-new-tokens {s.max_new_tokens} plus {PROMPT_LENGTHS[1]}-token prompts "
-                         f"exceed the model's {limit} positions")
-    model.generation_config.eos_token_id = None  # lengths are forced; nothing may stop a request early
-    vocab = [tokenizer.convert_tokens_to_ids(c) for c in "0123456789+="]
-    prompts = [[rng.choice(vocab) for _ in range(rng.randint(*PROMPT_LENGTHS))] for _ in range(s.requests)]
-    scenarios = {"long_tailed": long_tailed_lengths(s.requests, s.max_new_tokens, rng),
-                 "fixed": [s.max_new_tokens] * s.requests}
-    warm_up(model, prompts, s)
-
+def compare(model, prompts: list[list[int]], scenarios: dict[str, list[int]], s: Settings) -> dict:
+    """Each length scenario on both systems, runs alternating: the fastest of each and the speedups."""
     results = {}
     total = 2 * s.repeats * sum(sum(lengths) for lengths in scenarios.values())
     with tqdm(total=total, unit="tok", desc="bench generate", file=sys.stderr) as bar:
@@ -193,57 +212,118 @@ def benchmark(s: Settings) -> dict:
                 bar.set_description(f"{name} {attempt}/{s.repeats}: hf generate")
                 runs["hf"].append(run_hf(model, prompts, lengths, s, bar))
             engine, hf = (fastest(runs[system]) for system in ("engine", "hf"))
-            results[name] = {"lengths": summary(lengths), "engine": engine, "hf": hf,
-                             "speedup_vs_hf": round(engine["tokens_per_s"] / hf["tokens_per_s"], 3),
-                             "speedup_vs_hf_cpu": round(hf["cpu_seconds_min"] / engine["cpu_seconds_min"], 3)}
+            results[name] = {
+                "lengths": summary(lengths),
+                "engine": engine,
+                "hf": hf,
+                "speedup_vs_hf": round(engine["tokens_per_s"] / hf["tokens_per_s"], 3),
+                "speedup_vs_hf_cpu": round(hf["cpu_seconds_min"] / engine["cpu_seconds_min"], 3),
+            }
+    return results
+
+
+def benchmark(s: Settings) -> dict:
+    rng = random.Random(s.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = build_tokenizer(tmp)
+        model = build_model(tmp, tokenizer, seed=s.seed).eval()
+    limit = model.config.max_position_embeddings
+    if PROMPT_LENGTHS[1] + s.max_new_tokens > limit:
+        raise ValueError(
+            f"--max-new-tokens {s.max_new_tokens} plus {PROMPT_LENGTHS[1]}-token prompts "
+            f"exceed the model's {limit} positions"
+        )
+    model.generation_config.eos_token_id = None  # lengths are forced; nothing may stop a request early
+    vocab = [tokenizer.convert_tokens_to_ids(c) for c in "0123456789+="]
+    prompts = [[rng.choice(vocab) for _ in range(rng.randint(*PROMPT_LENGTHS))] for _ in range(s.requests)]
+    scenarios = {
+        "long_tailed": long_tailed_lengths(s.requests, s.max_new_tokens, rng),
+        "fixed": [s.max_new_tokens] * s.requests,
+    }
+    warm_up(model, prompts, s)
+    results = compare(model, prompts, scenarios, s)
     return {
         "speedup_vs_hf": results["long_tailed"]["speedup_vs_hf"],
         "speedup_vs_hf_fixed": results["fixed"]["speedup_vs_hf"],
         "scenarios": results,
         "step_costs": step_costs(model, prompts, scenarios["long_tailed"], s),
-        "settings": {**asdict(s), "hf_batch": s.hf_batch or s.concurrency, "prompt_lengths": list(PROMPT_LENGTHS),
-                     "long_tail": f"lognormal(median={TAIL_MEDIAN_FRACTION:g}*max_new_tokens, sigma={TAIL_SIGMA:g})"
-                                  " clipped to [1, max_new_tokens]",
-                     "stop_tokens": None, "top_p": 1.0, "top_k": 0},
-        "model": {"name": "demo-sized Qwen2, random weights", "parameters": sum(p.numel() for p in model.parameters()),
-                  "vocab_size": model.config.vocab_size, "layers": model.config.num_hidden_layers,
-                  "hidden_size": model.config.hidden_size, "dtype": str(model.dtype)},
+        "settings": {
+            **asdict(s),
+            "hf_batch": s.hf_batch or s.concurrency,
+            "prompt_lengths": list(PROMPT_LENGTHS),
+            "long_tail": f"lognormal(median={TAIL_MEDIAN_FRACTION:g}*max_new_tokens, sigma={TAIL_SIGMA:g})"
+            " clipped to [1, max_new_tokens]",
+            "stop_tokens": None,
+            "top_p": 1.0,
+            "top_k": 0,
+        },
+        "model": {
+            "name": "demo-sized Qwen2, random weights",
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "vocab_size": model.config.vocab_size,
+            "layers": model.config.num_hidden_layers,
+            "hidden_size": model.config.hidden_size,
+            "dtype": str(model.dtype),
+        },
         "machine": {**machine(), "device": "cpu"},
     }
 
 
 def table(report: dict) -> str:
     settings = report["settings"]
-    lines = [f"best of {settings['repeats']} alternating runs, concurrency {settings['concurrency']}, "
-             f"{settings['requests']} requests, {report['machine']['torch_threads']} torch thread(s)",
-             f"{'lengths':<12} {'system':<13} {'useful tok':>10} {'seconds':>8} {'tok/s':>9} {'speedup':>8}"]
+    lines = [
+        f"best of {settings['repeats']} alternating runs, concurrency {settings['concurrency']}, "
+        f"{settings['requests']} requests, {report['machine']['torch_threads']} torch thread(s)",
+        f"{'lengths':<12} {'system':<13} {'useful tok':>10} {'seconds':>8} {'tok/s':>9} {'speedup':>8}",
+    ]
     for name, r in report["scenarios"].items():
         useful = r["lengths"]["total"]
-        lines.append(f"{name:<12} {'engine':<13} {useful:>10} {r['engine']['seconds']:>8.2f} "
-                     f"{r['engine']['tokens_per_s']:>9.1f} {r['speedup_vs_hf']:>7.2f}x")
-        lines.append(f"{'':<12} {'hf generate':<13} {useful:>10} {r['hf']['seconds']:>8.2f} "
-                     f"{r['hf']['tokens_per_s']:>9.1f} {'1.00x':>8}")
+        lines.append(
+            f"{name:<12} {'engine':<13} {useful:>10} {r['engine']['seconds']:>8.2f} "
+            f"{r['engine']['tokens_per_s']:>9.1f} {r['speedup_vs_hf']:>7.2f}x"
+        )
+        lines.append(
+            f"{'':<12} {'hf generate':<13} {useful:>10} {r['hf']['seconds']:>8.2f} "
+            f"{r['hf']['tokens_per_s']:>9.1f} {'1.00x':>8}"
+        )
     long = report["scenarios"]["long_tailed"]
-    lines.append(f"long-tailed lengths: mean {long['lengths']['mean']}, p50 {long['lengths']['p50']}, "
-                 f"p90 {long['lengths']['p90']}, max {long['lengths']['max']}; "
-                 f"HF useful fraction {long['hf']['useful_fraction']:.0%}")
-    lines.append("speedup in process CPU time: " + ", ".join(
-        f"{name} {r['speedup_vs_hf_cpu']:.2f}x" for name, r in report["scenarios"].items()))
+    lines.append(
+        f"long-tailed lengths: mean {long['lengths']['mean']}, p50 {long['lengths']['p50']}, "
+        f"p90 {long['lengths']['p90']}, max {long['lengths']['max']}; "
+        f"HF useful fraction {long['hf']['useful_fraction']:.0%}"
+    )
+    lines.append(
+        "speedup in process CPU time: "
+        + ", ".join(f"{name} {r['speedup_vs_hf_cpu']:.2f}x" for name, r in report["scenarios"].items())
+    )
     costs = report["step_costs"]
     decode = costs["decode_step_ms"]
-    lines.append("decode step: " + ", ".join(f"{rows} rows {ms:.2f} ms" for rows, ms in decode.items())
-                 + f"; a weight update (interrupt, load the file, re-prefilling {costs['reprefill_rows']} sequences "
-                 f"of {costs['reprefill_context_mean']} tokens on average): {costs['reprefill_ms']:.1f} ms "
-                 f"= {costs['reprefill_ms'] / decode[max(decode)]:.1f} decode steps of {max(decode)} rows")
+    lines.append(
+        "decode step: "
+        + ", ".join(f"{rows} rows {ms:.2f} ms" for rows, ms in decode.items())
+        + f"; a weight update (interrupt, load the file, re-prefilling {costs['reprefill_rows']} sequences "
+        f"of {costs['reprefill_context_mean']} tokens on average): {costs['reprefill_ms']:.1f} ms "
+        f"= {costs['reprefill_ms'] / decode[max(decode)]:.1f} decode steps of {max(decode)} rows"
+    )
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
-    s = Settings(concurrency=args.concurrency, requests=args.requests, max_new_tokens=args.max_new_tokens,
-                 seed=args.seed, hf_batch=args.hf_batch, threads=args.threads, repeats=args.repeats)
+    s = Settings(
+        concurrency=args.concurrency,
+        requests=args.requests,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        hf_batch=args.hf_batch,
+        threads=args.threads,
+        repeats=args.repeats,
+    )
     if min(s.concurrency, s.requests, s.max_new_tokens, s.hf_batch or 1, s.threads, s.repeats) < 1:
-        print("asyncrl: --concurrency, --requests, --max-new-tokens, --hf-batch, --threads and --repeats "
-              "must be positive", file=sys.stderr)
+        print(
+            "asyncrl: --concurrency, --requests, --max-new-tokens, --hf-batch, --threads and --repeats "
+            "must be positive",
+            file=sys.stderr,
+        )
         return 2
     torch.set_num_threads(s.threads)
     transformers.logging.set_verbosity_error()  # generate's notes on flags would break the progress bar

@@ -69,10 +69,19 @@ def window_rates(lines: list[dict], warmup_steps: int) -> dict:
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     runs_dir = out.parent / "pipeline-runs"
-    common = [f"runs_dir={runs_dir}", f"trainer.steps={args.steps}", "model.warmup_steps=0", "eval.every=0",
-              f"rollout.max_new_tokens={args.max_new_tokens}", f"trainer.batch_groups={args.batch_groups}",
-              f"data.n_samples={args.n_samples}", f"seed={args.seed}", "telemetry.sample_ratio=0",
-              f"trainer.optim.lr={args.lr}", *args.overrides]
+    common = [
+        f"runs_dir={runs_dir}",
+        f"trainer.steps={args.steps}",
+        "model.warmup_steps=0",
+        "eval.every=0",
+        f"rollout.max_new_tokens={args.max_new_tokens}",
+        f"trainer.batch_groups={args.batch_groups}",
+        f"data.n_samples={args.n_samples}",
+        f"seed={args.seed}",
+        "telemetry.sample_ratio=0",
+        f"trainer.optim.lr={args.lr}",
+        *args.overrides,
+    ]
     results = {}
     for name, overrides in VARIANTS.items():
         print(f"== {name}: {' '.join(overrides)}", flush=True)
@@ -86,17 +95,23 @@ def run(args: argparse.Namespace) -> int:
         rates = window_rates(lines, args.warmup_steps)
         results[name] = {"run_dir": str(run_dir), **rates, "cpu_cores": cpu.cores(*rates.pop("window"))}
         results[name]["mean_completion_tokens"] = round(
-            results[name]["trained_tokens"] / (args.steps * args.batch_groups * args.n_samples), 1)
+            results[name]["trained_tokens"] / (args.steps * args.batch_groups * args.n_samples), 1
+        )
     report = {
         "async_over_sync": round(results["async"]["trained_tokens_per_s"] / results["sync"]["trained_tokens_per_s"], 3),
-        "interrupt_on_over_off": ratio(results["async"]["generated_tokens_per_s"],
-                                       results["async_no_interrupt"]["generated_tokens_per_s"]),
-        "interrupt_on_over_off_trained": round(results["async"]["trained_tokens_per_s"]
-                                               / results["async_no_interrupt"]["trained_tokens_per_s"], 3),
+        "interrupt_on_over_off": ratio(
+            results["async"]["generated_tokens_per_s"], results["async_no_interrupt"]["generated_tokens_per_s"]
+        ),
+        "interrupt_on_over_off_trained": round(
+            results["async"]["trained_tokens_per_s"] / results["async_no_interrupt"]["trained_tokens_per_s"], 3
+        ),
         "runs": results,
-        "settings": {**vars(args), "variants": VARIANTS, "model": "demo-sized Qwen2 (2.2M), no warm-up",
-                     "workload": "builtin task prompts; outputs end at a sampled end token (long-tailed) "
-                                 "or at max_new_tokens"},
+        "settings": {
+            **vars(args),
+            "variants": VARIANTS,
+            "model": "demo-sized Qwen2 (2.2M), no warm-up",
+            "workload": "builtin task prompts; outputs end at a sampled end token (long-tailed) or at max_new_tokens",
+        },
         "machine": machine(),
     }
     print(table(report))
@@ -111,16 +126,22 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def table(report: dict) -> str:
-    lines = [f"{'run':<20} {'trained tok/s':>13} {'steps/s':>8} {'generated tok/s':>15} {'staleness':>9} "
-             f"{'interrupted':>11} {'trainer busy':>12}"]
+    lines = [
+        f"{'run':<20} {'trained tok/s':>13} {'steps/s':>8} {'generated tok/s':>15} {'staleness':>9} "
+        f"{'interrupted':>11} {'trainer busy':>12}"
+    ]
     for name, r in report["runs"].items():
-        lines.append(f"{name:<20} {r['trained_tokens_per_s']:>13.1f} {r['steps_per_s']:>8.3f} "
-                     f"{r['generated_tokens_per_s'] or 0:>15.1f} {r['staleness_mean']:>9.2f} {r['interrupted_trajectories']:>11} "
-                     f"{r['trainer_busy']:>12.0%}")
+        lines.append(
+            f"{name:<20} {r['trained_tokens_per_s']:>13.1f} {r['steps_per_s']:>8.3f} "
+            f"{r['generated_tokens_per_s'] or 0:>15.1f} {r['staleness_mean']:>9.2f} "
+            f"{r['interrupted_trajectories']:>11} {r['trainer_busy']:>12.0%}"
+        )
     for name, r in report["runs"].items():
         cores = ", ".join(f"{role} {used:.2f}" for role, used in r["cpu_cores"].items())
         lines.append(f"{name} cores used: {cores} (total {sum(r['cpu_cores'].values()):.2f})")
     lines.append(f"async/sync effective training throughput: {report['async_over_sync']:.2f}x")
-    lines.append(f"interruption on/off generation throughput: {report['interrupt_on_over_off']}x "
-                 f"(training throughput {report['interrupt_on_over_off_trained']:.2f}x)")
+    lines.append(
+        f"interruption on/off generation throughput: {report['interrupt_on_over_off']}x "
+        f"(training throughput {report['interrupt_on_over_off_trained']:.2f}x)"
+    )
     return "\n".join(lines)

@@ -64,17 +64,26 @@ class Setting:
     seed: int
 
     def overrides(self) -> list[str]:
-        return [f"trainer.max_staleness={self.eta}", f"trainer.loss.objective={self.objective}", f"seed={self.seed}",
-                f"name=staleness-{self.objective}-eta{self.eta}-seed{self.seed}"]
+        return [
+            f"trainer.max_staleness={self.eta}",
+            f"trainer.loss.objective={self.objective}",
+            f"seed={self.seed}",
+            f"name=staleness-{self.objective}-eta{self.eta}-seed{self.seed}",
+        ]
 
 
 def plan_for(args: argparse.Namespace) -> Plan:
     base = QUICK if args.quick else FULL
-    return replace(base, seeds=tuple(dict.fromkeys(args.seeds or base.seeds)), steps=base.steps if args.steps is None else args.steps)
+    return replace(
+        base,
+        seeds=tuple(dict.fromkeys(args.seeds or base.seeds)),
+        steps=base.steps if args.steps is None else args.steps,
+    )
 
 
 def grid(plan: Plan) -> list[Setting]:
-    """Seed-major, so one seed's model serves its runs in a row; the objectives alternate so load elsewhere hits both alike."""
+    """Seed-major, so one seed's model serves its runs in a row;
+    the objectives alternate so load elsewhere hits both alike."""
     return [Setting(eta, objective, seed) for seed in plan.seeds for eta in plan.etas for objective in OBJECTIVES]
 
 
@@ -90,9 +99,16 @@ def build_models(configs: dict[Setting, RunConfig], models_dir: Path, progress: 
     built: dict[int, str] = {}
     for config in configs.values():
         if not config.model.path and config.seed not in built:
-            built[config.seed] = str(prepare_demo_model(
-                models_dir / f"seed{config.seed}", seed=config.seed, task_seed=config.seed,
-                steps=config.model.warmup_steps, progress=progress, held_out=config.data.held_out))
+            built[config.seed] = str(
+                prepare_demo_model(
+                    models_dir / f"seed{config.seed}",
+                    seed=config.seed,
+                    task_seed=config.seed,
+                    steps=config.model.warmup_steps,
+                    progress=progress,
+                    held_out=config.data.held_out,
+                )
+            )
     return built
 
 
@@ -106,10 +122,14 @@ def measure(setting: Setting, summary: dict, lines: list[dict]) -> dict:
     trainer = [l for l in lines if l["source"] == "trainer"]
     accuracies = [accuracy for _, accuracy in curve]
     return {
-        "eta": setting.eta, "objective": setting.objective, "seed": setting.seed,
-        "final_accuracy": summary["final_accuracy"], "best_accuracy": max(accuracies),
+        "eta": setting.eta,
+        "objective": setting.objective,
+        "seed": setting.seed,
+        "final_accuracy": summary["final_accuracy"],
+        "best_accuracy": max(accuracies),
         "tail_accuracy": round(statistics.fmean(accuracies[-TAIL_EVALS:]), 4),
-        "base_accuracy": summary["base_accuracy"], "wall_seconds": summary["wall_seconds"],
+        "base_accuracy": summary["base_accuracy"],
+        "wall_seconds": summary["wall_seconds"],
         "steps": summary["steps"],
         "steps_per_s": round((len(trainer) - 1) / (trainer[-1]["time"] - trainer[0]["time"]), 3),
         "max_staleness_trained": summary["max_staleness_trained"],
@@ -129,36 +149,55 @@ def cells(rows: list[dict]) -> list[dict]:
     out = []
     for (objective, eta), group in sorted(groups.items(), key=lambda item: (OBJECTIVES.index(item[0][0]), item[0][1])):
         finals = [r["final_accuracy"] for r in group]
-        out.append({
-            "objective": objective, "eta": eta, "seeds": len(group),
-            **{key: round(statistics.fmean(r[key] for r in group), 4)
-               for key in ("final_accuracy", "tail_accuracy", "best_accuracy", "clip_fraction_mean", "wall_seconds")},
-            "final_accuracy_sd": round(statistics.stdev(finals), 4) if len(finals) > 1 else None,
-            "max_staleness_trained": max(r["max_staleness_trained"] for r in group),
-            "groups_dropped": sum(r["groups_dropped"] for r in group),
-        })
+        out.append(
+            {
+                "objective": objective,
+                "eta": eta,
+                "seeds": len(group),
+                **{
+                    key: round(statistics.fmean(r[key] for r in group), 4)
+                    for key in (
+                        "final_accuracy",
+                        "tail_accuracy",
+                        "best_accuracy",
+                        "clip_fraction_mean",
+                        "wall_seconds",
+                    )
+                },
+                "final_accuracy_sd": round(statistics.stdev(finals), 4) if len(finals) > 1 else None,
+                "max_staleness_trained": max(r["max_staleness_trained"] for r in group),
+                "groups_dropped": sum(r["groups_dropped"] for r in group),
+            }
+        )
     return out
 
 
 def table(report: dict) -> str:
     s = report["settings"]
-    lines = [f"held-out greedy accuracy after {s['steps']} steps, mean over seeds {s['seeds']}; "
-             f"tail = mean of the last {s['tail_evals']} evaluations (every {s['eval_every']} steps)",
-             f"{'objective':<10} {'eta':>3} {'seeds':>5} {'final':>6} {'sd':>5} {'tail':>6} {'best':>6} "
-             f"{'stale max':>9} {'clipped':>7} {'dropped':>7} {'wall s':>7}"]
+    lines = [
+        f"held-out greedy accuracy after {s['steps']} steps, mean over seeds {s['seeds']}; "
+        f"tail = mean of the last {s['tail_evals']} evaluations (every {s['eval_every']} steps)",
+        f"{'objective':<10} {'eta':>3} {'seeds':>5} {'final':>6} {'sd':>5} {'tail':>6} {'best':>6} "
+        f"{'stale max':>9} {'clipped':>7} {'dropped':>7} {'wall s':>7}",
+    ]
     for c in report["cells"]:
         sd = "-" if c["final_accuracy_sd"] is None else f"{c['final_accuracy_sd']:.1%}"
-        lines.append(f"{c['objective']:<10} {c['eta']:>3} {c['seeds']:>5} {c['final_accuracy']:>6.1%} {sd:>5} "
-                     f"{c['tail_accuracy']:>6.1%} {c['best_accuracy']:>6.1%} {c['max_staleness_trained']:>9} "
-                     f"{c['clip_fraction_mean']:>7.1%} {c['groups_dropped']:>7} {c['wall_seconds']:>7.0f}")
+        lines.append(
+            f"{c['objective']:<10} {c['eta']:>3} {c['seeds']:>5} {c['final_accuracy']:>6.1%} {sd:>5} "
+            f"{c['tail_accuracy']:>6.1%} {c['best_accuracy']:>6.1%} {c['max_staleness_trained']:>9} "
+            f"{c['clip_fraction_mean']:>7.1%} {c['groups_dropped']:>7} {c['wall_seconds']:>7.0f}"
+        )
     by_key = {(c["objective"], c["eta"]): c for c in report["cells"]}
     for eta in sorted({c["eta"] for c in report["cells"]}):
         if ("naive", eta) in by_key and ("decoupled", eta) in by_key:
             naive, decoupled = by_key["naive", eta], by_key["decoupled", eta]
-            lines.append(f"eta {eta}: decoupled - naive = {decoupled['final_accuracy'] - naive['final_accuracy']:+.1%} "
-                         f"final, {decoupled['tail_accuracy'] - naive['tail_accuracy']:+.1%} tail")
-    lines.append(f"{len(report['rows'])} runs in {report['wall_seconds'] / 60:.1f} min "
-                 f"(models {report['models_seconds']:.0f} s)")
+            lines.append(
+                f"eta {eta}: decoupled - naive = {decoupled['final_accuracy'] - naive['final_accuracy']:+.1%} "
+                f"final, {decoupled['tail_accuracy'] - naive['tail_accuracy']:+.1%} tail"
+            )
+    lines.append(
+        f"{len(report['rows'])} runs in {report['wall_seconds'] / 60:.1f} min (models {report['models_seconds']:.0f} s)"
+    )
     return "\n".join(lines)
 
 
@@ -193,7 +232,8 @@ def plot(report: dict, path: Path) -> None:
                 for r in runs:
                     ax.plot(*zip(*r["curve"], strict=True), color=colour, alpha=0.25, linewidth=0.8)
             ax.plot(*mean_curve(runs), color=colour, linewidth=2, marker="o", markersize=3, label=f"η = {eta}")
-        ax.set_title(f"{objective} PPO" + (" (π_prox = π_behav)" if objective == "naive" else " (π_prox recomputed)"))
+        prox = "π_prox = π_behav" if objective == "naive" else "π_prox recomputed"
+        ax.set_title(f"{objective} PPO ({prox})")
         ax.set_xlabel("trainer step")
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
@@ -218,8 +258,9 @@ def run_grid(configs: dict[Setting, RunConfig], progress: bool) -> tuple[list[di
             bar.close()
             return rows, setting
         lines, _ = read_metrics(run_dir / "metrics.jsonl")
-        rows.append({**measure(setting, json.loads((run_dir / "summary.json").read_text()), lines),
-                     "run_dir": str(run_dir)})
+        rows.append(
+            {**measure(setting, json.loads((run_dir / "summary.json").read_text()), lines), "run_dir": str(run_dir)}
+        )
     return rows, None
 
 
@@ -235,11 +276,13 @@ def merge(reports: list[dict]) -> dict:
         raise ValueError("the reports repeat a run (same eta, objective and seed)")
     rows = [row for report in reports for row in report["rows"]]
     return {
-        "cells": cells(rows), "rows": rows,
+        "cells": cells(rows),
+        "rows": rows,
         "wall_seconds": round(sum(r["wall_seconds"] for r in reports), 1),
         "models_seconds": round(sum(r["models_seconds"] for r in reports), 1),
         "settings": {**first, "seeds": sorted({r["seed"] for r in rows}), "etas": sorted({r["eta"] for r in rows})},
-        "machine": reports[0]["machine"], "merged_from": len(reports),
+        "machine": reports[0]["machine"],
+        "merged_from": len(reports),
     }
 
 
@@ -252,43 +295,67 @@ def write(report: dict, out: Path) -> None:
         print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
+def run_merge(args: argparse.Namespace) -> int:
+    """`--merge`: one report from the given ones, and its table and plot, without running anything."""
+    try:
+        report = merge([json.loads(Path(path).read_text()) for path in args.merge])
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"asyncrl: cannot merge: {exc}", file=sys.stderr)
+        return 2
+    write(report, Path(args.out or "runs/bench/staleness.json"))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.merge:
-        try:
-            report = merge([json.loads(Path(path).read_text()) for path in args.merge])
-        except (OSError, ValueError, KeyError) as exc:
-            print(f"asyncrl: cannot merge: {exc}", file=sys.stderr)
-            return 2
-        write(report, Path(args.out or "runs/bench/staleness.json"))
-        return 0
+        return run_merge(args)
     started = time.time()
-    transformers.utils.logging.disable_progress_bar()  # saving and loading bars would break the bars over runs and steps
+    # saving and loading bars would break the bars over runs and steps
+    transformers.utils.logging.disable_progress_bar()
     plan = plan_for(args)
     if plan.steps < 1 or args.eval_every < 1:
         print("asyncrl: --steps and --eval-every must be positive", file=sys.stderr)
         return 2
     out = Path(args.out or f"runs/bench/staleness{'-quick' if args.quick else ''}.json")
     runs_dir = out.parent / "staleness-runs"
-    common = [*args.overrides, f"runs_dir={runs_dir}", f"trainer.steps={plan.steps}", f"eval.every={args.eval_every}",
-              "telemetry.sample_ratio=0"]
+    common = [
+        *args.overrides,
+        f"runs_dir={runs_dir}",
+        f"trainer.steps={plan.steps}",
+        f"eval.every={args.eval_every}",
+        "telemetry.sample_ratio=0",
+    ]
     shared = load_config(default_config(), common)  # what every run has before its own eta, objective and seed
     if shared.data.source != "builtin":
         raise ConfigError("bench staleness measures held-out accuracy, which only the built-in task has")
     configs = run_configs(plan, common)
-    print(f"bench staleness: {len(configs)} runs of {plan.steps} steps (eta {list(plan.etas)} x {list(OBJECTIVES)} "
-          f"x seeds {list(plan.seeds)})", flush=True)
+    print(
+        f"bench staleness: {len(configs)} runs of {plan.steps} steps (eta {list(plan.etas)} x {list(OBJECTIVES)} "
+        f"x seeds {list(plan.seeds)})",
+        flush=True,
+    )
     models = build_models(configs, runs_dir / f"models-{time.strftime('%Y%m%d-%H%M%S')}", not args.no_progress)
     models_seconds = time.time() - started
     configs = {s: with_model(c, models[s.seed]) if s.seed in models else c for s, c in configs.items()}
     rows, failed = run_grid(configs, not args.no_progress)
     report = {
-        "cells": cells(rows), "rows": rows,
-        "wall_seconds": round(time.time() - started, 1), "models_seconds": round(models_seconds, 1),
-        "settings": {"quick": args.quick, "etas": list(plan.etas), "objectives": list(OBJECTIVES),
-                     "seeds": list(plan.seeds), "steps": plan.steps, "eval_every": args.eval_every,
-                     "tail_evals": TAIL_EVALS, "overrides": common, "models": models,
-                     "model": "demo Qwen2 (2.2M) warmed up once per seed, shared by every run of that seed",
-                     "config": msgspec.to_builtins(shared)},
+        "cells": cells(rows),
+        "rows": rows,
+        "wall_seconds": round(time.time() - started, 1),
+        "models_seconds": round(models_seconds, 1),
+        "settings": {
+            "quick": args.quick,
+            "etas": list(plan.etas),
+            "objectives": list(OBJECTIVES),
+            "seeds": list(plan.seeds),
+            "steps": plan.steps,
+            "eval_every": args.eval_every,
+            "tail_evals": TAIL_EVALS,
+            "overrides": common,
+            "models": models,
+            "model": "demo Qwen2 (2.2M) warmed up once per seed, shared by every run of that seed",
+            "config": msgspec.to_builtins(shared),
+        },
         "machine": machine(),
     }
     write(report, out)

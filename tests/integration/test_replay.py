@@ -71,9 +71,12 @@ async def run_topics(broker: EmbeddedBroker, topic_layout: TopicLayout) -> Topic
     ])  # fmt: skip
     manifest = BatchManifest(
         step=2, trainer_version=5, trajectory_ids=["p/0/0", "p/0/1"], scored_offsets=[(0, 0), (0, 1)],
-        consumed_offsets=[(0, 2)], dropped=[DroppedGroup(prompt_id="p/9", reason="stale: released at v0, trainer at v5 > eta=4")],
+        consumed_offsets=[(0, 2)],
+        dropped=[DroppedGroup(prompt_id="p/9", reason="stale: released at v0, trainer at v5 > eta=4")],
     )  # fmt: skip
-    await produce(broker.bootstrap, topic_layout, BATCHES, [("1", msgspec.structs.replace(manifest, step=1)), ("2", manifest)])
+    await produce(
+        broker.bootstrap, topic_layout, BATCHES, [("1", msgspec.structs.replace(manifest, step=1)), ("2", manifest)]
+    )
     return topic_layout
 
 
@@ -169,12 +172,14 @@ async def rescore_config(broker: EmbeddedBroker, run_config: Path, run_topics: T
     generation, and p/1/0 whose group (answer "5") is only on `segments`."""
     on_segments_only = msgspec.structs.replace(group("p/1"), answer="5")
     await produce(broker.bootstrap, run_topics, SEGMENTS, [
-        ("p/1/0", msgspec.structs.replace(segment("rollout-a:2", 0, 4, [EOS], "stop"), trajectory_id="p/1/0", group=on_segments_only)),
+        ("p/1/0", msgspec.structs.replace(segment("rollout-a:2", 0, 4, [EOS], "stop"),
+                                          trajectory_id="p/1/0", group=on_segments_only)),
     ])  # fmt: skip
     await produce(broker.bootstrap, run_topics, SCORED, [
         ("p/0", scored("p/0/0", [3, 4], 1.0)),
         ("p/0", msgspec.structs.replace(scored("p/0/2", [4], 0.5), completion_text="raise")),
-        ("p/0", msgspec.structs.replace(scored("p/0/3", [4], 0.0), finish_reason="error", reward_details={"error": "engine died"})),
+        ("p/0", msgspec.structs.replace(scored("p/0/3", [4], 0.0), finish_reason="error",
+                                        reward_details={"error": "engine died"})),
         ("p/1", msgspec.structs.replace(scored("p/1/0", [4], 0.0), prompt_id="p/1", completion_text="5")),
     ])  # fmt: skip
     return run_config
@@ -194,7 +199,9 @@ def test_rescore_shows_each_changed_reward_the_counts_and_the_means(
     ]
     assert out[5:] == ["same 1  changed 2  failed 2", "mean reward 0.3 -> 0.2"]
 
-    assert main(["replay", "rescore", "--reward", "reward_plugins:judge", "--json", "--config", str(rescore_config)]) == 0
+    assert (
+        main(["replay", "rescore", "--reward", "reward_plugins:judge", "--json", "--config", str(rescore_config)]) == 0
+    )
     summary = json.loads(capsys.readouterr().out)
     assert (summary["trajectories"], summary["same"], summary["changed"], summary["failed"]) == (5, 1, 2, 2)
     assert (summary["mean_reward_old"], summary["mean_reward_new"]) == pytest.approx((0.3, 0.2))
@@ -210,7 +217,10 @@ def test_rescore_with_a_bad_reward_is_one_clear_line(
     monkeypatch.chdir(tmp_path)
     (tmp_path / "broken_reward.py").write_text("def judge(:\n")  # beside the user, as for the run's workers
     for reward, error in [
-        ("no_such_module:fn", "--reward: reward function 'no_such_module:fn' cannot be loaded: No module named 'no_such_module'"),
+        (
+            "no_such_module:fn",
+            "--reward: reward function 'no_such_module:fn' cannot be loaded: No module named 'no_such_module'",
+        ),
         ("reward_plugins", "--reward: data.reward 'reward_plugins': use 'builtin', 'math' or 'module:function'"),
         ("broken_reward:judge", "--reward: SyntaxError: "),
     ]:

@@ -12,18 +12,65 @@ from workers.reward import worker as reward_worker
 
 def segment(tokenizer, trajectory, attempt, index, version, text, reason, group=None):
     ids = tokenizer(text)["input_ids"] + ([tokenizer.eos_token_id] if reason == "stop" else [])
-    return Segment(trajectory_id=trajectory, attempt=attempt, segment_index=index, version=version, token_ids=ids,
-                   logprobs=[-0.5] * len(ids), finish_reason=reason, worker_id=attempt.split(":")[0], group=group)
+    return Segment(
+        trajectory_id=trajectory,
+        attempt=attempt,
+        segment_index=index,
+        version=version,
+        token_ids=ids,
+        logprobs=[-0.5] * len(ids),
+        finish_reason=reason,
+        worker_id=attempt.split(":")[0],
+        group=group,
+    )
+
+
+async def score_two(config, broker, topic_layout) -> dict[str, Scored]:
+    """Run the reward worker until two trajectories are scored, and a while longer so a duplicate would show."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(reward_worker.main(config, stop))
+    try:
+        for _ in range(300):
+            scored = [r.message for r in await read_topic(broker.bootstrap, topic_layout.name("scored"), Scored)]
+            if len(scored) >= 2:
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)  # a duplicate would have arrived by now
+        return {
+            s.trajectory_id: s
+            for s in (r.message for r in await read_topic(broker.bootstrap, topic_layout.name("scored"), Scored))
+        }
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
 
 
 async def test_segments_become_one_scored_trajectory_each(broker, topic_layout, tmp_path):
     tokenizer = build_tokenizer(tmp_path / "model")
-    config = resolve(load_config(None, [
-        f"runs_dir={tmp_path}", "name=rw", f"model.path={tmp_path / 'model'}", "data.n_samples=2",
-        f"broker.bootstrap={broker.bootstrap}", f"broker.topic_prefix={topic_layout.prefix}",
-    ]))
-    group = PromptGroup(prompt_id="e0-r1", row_index=1, epoch=0, release_index=0, released_at_version=3,
-                        prompt_text="47+8=", prompt_tokens=tokenizer("47+8=")["input_ids"], answer="55", n_samples=2)
+    config = resolve(
+        load_config(
+            None,
+            [
+                f"runs_dir={tmp_path}",
+                "name=rw",
+                f"model.path={tmp_path / 'model'}",
+                "data.n_samples=2",
+                f"broker.bootstrap={broker.bootstrap}",
+                f"broker.topic_prefix={topic_layout.prefix}",
+            ],
+        )
+    )
+    group = PromptGroup(
+        prompt_id="e0-r1",
+        row_index=1,
+        epoch=0,
+        release_index=0,
+        released_at_version=3,
+        prompt_text="47+8=",
+        prompt_tokens=tokenizer("47+8=")["input_ids"],
+        answer="55",
+        n_samples=2,
+    )
     messages = [
         # sample 0: attempt a (dies after one segment), then attempt b finishes across two versions
         segment(tokenizer, "e0-r1/0", "a:0", 0, 3, "5", "interrupted", group),
@@ -39,19 +86,7 @@ async def test_segments_become_one_scored_trajectory_each(broker, topic_layout, 
             await send(producer, topic_layout.name("segments"), message, key=message.trajectory_id)
         await producer.send_and_wait(topic_layout.name("segments"), b"\x00garbage", key=b"x")
 
-    stop = asyncio.Event()
-    task = asyncio.create_task(reward_worker.main(config, stop))
-    try:
-        for _ in range(300):
-            scored = [r.message for r in await read_topic(broker.bootstrap, topic_layout.name("scored"), Scored)]
-            if len(scored) >= 2:
-                break
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(1.0)  # a duplicate would have arrived by now
-        scored = {s.trajectory_id: s for s in (r.message for r in await read_topic(broker.bootstrap, topic_layout.name("scored"), Scored))}
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
+    scored = await score_two(config, broker, topic_layout)
 
     assert sorted(scored) == ["e0-r1/0", "e0-r1/1"]
     first = scored["e0-r1/0"]

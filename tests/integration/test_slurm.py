@@ -35,16 +35,35 @@ from topics.readers import read_topic
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL_RUN = ["trainer.batch_groups=2", "data.n_samples=4", "model.warmup_steps=0"]
-FINAL_STATES = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-                "DEADLINE", "PREEMPTED"}
-WORKER_DONE = {"prompts": "prompt source finished", "rollout": "rollout finished",
-               "reward": "reward worker finished", "trainer": "trainer finished"}
+FINAL_STATES = {
+    "COMPLETED",
+    "CANCELLED",
+    "FAILED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
+WORKER_DONE = {
+    "prompts": "prompt source finished",
+    "rollout": "rollout finished",
+    "reward": "reward worker finished",
+    "trainer": "trainer finished",
+}
 SBIN_PATH = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
 
 
 def submit(*arguments: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", "slurm", "submit", *arguments],
-                          env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "slurm", "submit", *arguments],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def free_port() -> int:
@@ -54,20 +73,43 @@ def free_port() -> int:
 
 
 def test_dry_run_prints_the_job_and_submits_nothing(tmp_path):
-    done = submit("--dry-run", "--nodes=3", "--trainer-nodes=2", "--gpus-per-node=4", f"--shared={tmp_path}/runs",
-                  "--partition=gpu", "--time=1:00:00", "--sbatch-arg=--account=rl", "name=big",
-                  env={**os.environ, "PATH": str(tmp_path)}, cwd=tmp_path)  # no sbatch: none is needed
+    done = submit(
+        "--dry-run",
+        "--nodes=3",
+        "--trainer-nodes=2",
+        "--gpus-per-node=4",
+        f"--shared={tmp_path}/runs",
+        "--partition=gpu",
+        "--time=1:00:00",
+        "--sbatch-arg=--account=rl",
+        "name=big",
+        env={**os.environ, "PATH": str(tmp_path)},
+        cwd=tmp_path,
+    )  # no sbatch: none is needed
     assert done.returncode == 0, done.stderr
     script = done.stdout
-    for option in ("--nodes=3", "--ntasks-per-node=1", "--gres=gpu:4", "--partition=gpu", "--time=1:00:00",
-                   "--account=rl", f"--output={tmp_path}/runs/big/slurm-%j.out"):
+    for option in (
+        "--nodes=3",
+        "--ntasks-per-node=1",
+        "--gres=gpu:4",
+        "--partition=gpu",
+        "--time=1:00:00",
+        "--account=rl",
+        f"--output={tmp_path}/runs/big/slurm-%j.out",
+    ):
         assert f"\n#SBATCH {option}\n" in script
     assert re.search(r"launch broker .*--relative=0 --gres=none", script)  # the embedded broker, node 0
     assert f"prepare {ROOT}/pipeline/configs/demo.yaml " in script
     assert f"runs_dir={tmp_path}/runs rollout.workers=4 broker.partitions=4" in script
     trainer = re.search(r"launch trainer (.*?)--config \"\$CONFIG\"", script, re.S).group(1)
-    for part in ("--nodes=2 --ntasks-per-node=1", "--relative=0 --gres=gpu:4", "torch.distributed.run --nnodes=2",
-                 "--nproc-per-node=4", "--rdzv-backend=c10d", "-m pipeline.cli worker trainer"):
+    for part in (
+        "--nodes=2 --ntasks-per-node=1",
+        "--relative=0 --gres=gpu:4",
+        "torch.distributed.run --nnodes=2",
+        "--nproc-per-node=4",
+        "--rdzv-backend=c10d",
+        "-m pipeline.cli worker trainer",
+    ):
         assert part in trainer
     assert len(re.findall(r"launch rollout .*--relative=2 --gres=gpu:1 .*worker rollout", script)) == 4
     assert re.search(r"launch reward .*--relative=0 --gres=none .*worker reward", script)
@@ -117,27 +159,33 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]
         socket.gethostbyname(node)
     except OSError:
         pytest.fail(f"this host's name {node!r} does not resolve; the job's broker is reached by node name")
-    for name in ("state", "spool", "log", "munge"):
-        (root / name).mkdir(mode=0o700)
-    key = root / "munge" / "munge.key"
-    key.write_bytes(os.urandom(1024))
-    key.chmod(0o600)
-    for index in range(2):
-        (root / f"gpu{index}").symlink_to("/dev/null")
-    (root / "gres.conf").write_text(f"NodeName={node} Name=gpu File={root}/gpu[0-1]\n")
-    (root / "slurm.conf").write_text(slurm_conf(root, node))
+    key = write_cluster_files(root, node)
     env = {**os.environ, "SLURM_CONF": str(root / "slurm.conf")}
     daemons: list[subprocess.Popen] = []
     try:
         for command in (
-            ["munged", "--foreground", "--force", f"--key-file={key}", f"--socket={root}/munge/socket",
-             f"--pid-file={root}/munge/pid", f"--log-file={root}/log/munged.log", f"--seed-file={root}/munge/seed"],
+            [
+                "munged",
+                "--foreground",
+                "--force",
+                f"--key-file={key}",
+                f"--socket={root}/munge/socket",
+                f"--pid-file={root}/munge/pid",
+                f"--log-file={root}/log/munged.log",
+                f"--seed-file={root}/munge/seed",
+            ],
             ["slurmctld", "-D", "-i"],
             ["slurmd", "-D", "-N", node],
         ):
             with open(root / "log" / f"{command[0]}.out", "wb") as out:
-                daemons.append(subprocess.Popen([shutil.which(command[0], path=SBIN_PATH), *command[1:]], env=env,
-                                                stdout=out, stderr=subprocess.STDOUT))
+                daemons.append(
+                    subprocess.Popen(
+                        [shutil.which(command[0], path=SBIN_PATH), *command[1:]],
+                        env=env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
             deadline = time.monotonic() + 10
             while command[0] == "munged" and not (root / "munge" / "socket").exists() and time.monotonic() < deadline:
                 time.sleep(0.05)  # the daemons authenticate through it from their start
@@ -160,13 +208,29 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]
                 daemon.wait()
 
 
+def write_cluster_files(root: Path, node: str) -> Path:
+    """The daemons' directories, a munge key, the two fake GPUs and the configs under `root`; the key's path."""
+    for name in ("state", "spool", "log", "munge"):
+        (root / name).mkdir(mode=0o700)
+    key = root / "munge" / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o600)
+    for index in range(2):
+        (root / f"gpu{index}").symlink_to("/dev/null")
+    (root / "gres.conf").write_text(f"NodeName={node} Name=gpu File={root}/gpu[0-1]\n")
+    (root / "slurm.conf").write_text(slurm_conf(root, node))
+    return key
+
+
 def stop_jobs(env: dict[str, str], daemons: set[int]) -> None:
     """scancel what is left, then SIGKILL any process the cluster's jobs started that still lives
     (after a failed test; proctrack/linuxproc loses track of a process whose parent died)."""
     subprocess.run(["scancel", "--partition=debug"], env=env, capture_output=True, timeout=30)
     deadline = time.monotonic() + 45
-    while time.monotonic() < deadline and subprocess.run(
-            ["squeue", "-h"], env=env, capture_output=True, text=True, timeout=30).stdout.strip():
+    while (
+        time.monotonic() < deadline
+        and subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True, timeout=30).stdout.strip()
+    ):
         time.sleep(0.5)
     marker = f"SLURM_CONF={env['SLURM_CONF']}".encode()
     for pid, state, _, environment in processes():
@@ -250,9 +314,10 @@ def job_output(run_dir: Path, job_id: str) -> str:
 def leftovers(job_id: str, run_dir: Path) -> list[str]:
     """Live processes of the job: its environment, its run directory or its slurmstepd (zombies do not count)."""
     return [
-        f"{pid}: {command[:200]}" for pid, state, command, environment in processes()
-        if state != "Z" and (f"SLURM_JOB_ID={job_id}".encode() in environment or str(run_dir) in command
-                             or f"[{job_id}." in command)
+        f"{pid}: {command[:200]}"
+        for pid, state, command, environment in processes()
+        if state != "Z"
+        and (f"SLURM_JOB_ID={job_id}".encode() in environment or str(run_dir) in command or f"[{job_id}." in command)
     ]
 
 
@@ -284,8 +349,15 @@ def assert_workers_stopped_cleanly(run_dir: Path, job_id: str) -> None:
 def test_a_run_on_the_embedded_broker_completes(slurm_cluster, tmp_path):
     """Trainer and rollout on a fake GPU each, the broker as a step of its own; the run ends with its trainer."""
     steps, runs = 3, tmp_path / "runs"
-    arguments = [f"--shared={runs}", "--gpus-per-node=2", f"--broker-port={free_port()}", "name=done",
-                 "model.device=cpu", f"trainer.steps={steps}", *SMALL_RUN]
+    arguments = [
+        f"--shared={runs}",
+        "--gpus-per-node=2",
+        f"--broker-port={free_port()}",
+        "name=done",
+        "model.device=cpu",
+        f"trainer.steps={steps}",
+        *SMALL_RUN,
+    ]
     done = submit(*arguments, env=slurm_cluster.env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     job_id, run_dir = done.stdout.strip(), runs / "done"
@@ -313,8 +385,15 @@ def test_a_run_on_the_embedded_broker_completes(slurm_cluster, tmp_path):
 def test_scancel_stops_every_step_and_a_resubmission_resumes(slurm_cluster, broker, tmp_path, unique_name):
     """On an external broker: scancel once the trainer has a checkpoint, then the same run name again."""
     steps, runs, prefix = 12, tmp_path / "runs", unique_name("slurm") + "."
-    arguments = [f"--shared={runs}", "name=resumed", f"broker.bootstrap={broker.bootstrap}",
-                 f"broker.topic_prefix={prefix}", f"trainer.steps={steps}", "trainer.checkpoint.every=2", *SMALL_RUN]
+    arguments = [
+        f"--shared={runs}",
+        "name=resumed",
+        f"broker.bootstrap={broker.bootstrap}",
+        f"broker.topic_prefix={prefix}",
+        f"trainer.steps={steps}",
+        "trainer.checkpoint.every=2",
+        *SMALL_RUN,
+    ]
     done = submit(*arguments, env=slurm_cluster.env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     job_id, run_dir = done.stdout.strip(), runs / "resumed"
@@ -338,8 +417,12 @@ def test_scancel_stops_every_step_and_a_resubmission_resumes(slurm_cluster, brok
     job = slurm_cluster.wait(job_id, run_dir)
     assert (job["JobState"], job["ExitCode"]) == ("COMPLETED", "0:0"), job_output(run_dir, job_id)
     assert_nothing_left(job_id, run_dir)
-    started = [line for path in (run_dir / "logs").glob("trainer-*.jsonl")
-               for line in path.read_text().splitlines() if '"trainer started"' in line]
+    started = [
+        line
+        for path in (run_dir / "logs").glob("trainer-*.jsonl")
+        for line in path.read_text().splitlines()
+        if '"trainer started"' in line
+    ]
     resumed_at = max(int(re.search(r'"step": (\d+)', line).group(1)) for line in started)
     assert len(started) == 2 and resumed_at == int(checkpoints[-1][5:11])
 

@@ -1,4 +1,5 @@
-"""`asyncrl bench generate` runs end to end on a tiny setting and reports what its JSON promises (no timing asserted)."""
+"""`asyncrl bench generate` runs end to end on a tiny setting and reports what its JSON promises
+(no timing asserted)."""
 
 import json
 
@@ -7,8 +8,25 @@ from pipeline.cli import main
 
 def test_bench_generate_writes_its_headline_and_settings(tmp_path, capsys):
     out = tmp_path / "generate.json"
-    assert main(["bench", "generate", "--requests", "8", "--concurrency", "4", "--max-new-tokens", "8",
-                 "--repeats", "1", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "generate",
+                "--requests",
+                "8",
+                "--concurrency",
+                "4",
+                "--max-new-tokens",
+                "8",
+                "--repeats",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     assert result["speedup_vs_hf"] > 0 and result["speedup_vs_hf_fixed"] > 0
     assert result["machine"]["cpu_count"] >= 1 and result["machine"]["torch"]

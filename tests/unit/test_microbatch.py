@@ -5,7 +5,6 @@ import random
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from workers.trainer.losses import LossSettings
 from workers.trainer.microbatch import allocate_dynamic, allocate_fixed, allocator
@@ -70,18 +69,8 @@ ADV = [1.0, -0.5, 0.25, 0.75]
 
 
 @pytest.fixture
-def model():
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=16,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=64,
-        max_position_embeddings=32,
-    )
-    return Qwen2ForCausalLM(config).float()
+def model(tiny_qwen2):
+    return tiny_qwen2()
 
 
 def test_fixed_and_dynamic_both_train_and_agree(model):

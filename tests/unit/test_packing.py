@@ -4,7 +4,6 @@ import copy
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from workers.trainer.losses import LossSettings, decoupled_ppo_loss
 from workers.trainer.microbatch import allocator
@@ -27,21 +26,6 @@ def test_pack_by_hand():
     assert packed.unpack(torch.tensor([10.0, 11.0, 12.0, 13.0, 14.0])).tolist() == [[10, 11, 0], [13, 0, 0], [0, 0, 0]]
 
 
-def tiny_qwen2(attn_implementation: str = "sdpa") -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=16,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        attn_implementation=attn_implementation,
-    )
-    return Qwen2ForCausalLM(config).float()
-
-
 def random_sequences(n: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     sequences = []
@@ -60,7 +44,7 @@ def padded_logprobs(model, batch):
 
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
-def test_packed_logprobs_equal_padded(attn_implementation):
+def test_packed_logprobs_equal_padded(attn_implementation, tiny_qwen2):
     model = tiny_qwen2(attn_implementation)
     batch = collate(*random_sequences(6), pad_id=0)
     valid = batch.attention_mask[:, 1:].bool()  # [N, T-1] positions that predict a real token
@@ -90,7 +74,7 @@ LOSS_OPTIONS = [  # caps that hit some tokens / sequences of the batch below (it
 
 
 @pytest.mark.parametrize("options", LOSS_OPTIONS, ids=[o["aggregation"] for o in LOSS_OPTIONS])
-def test_packed_microbatched_gradients_equal_padded(options):
+def test_packed_microbatched_gradients_equal_padded(options, tiny_qwen2):
     settings = LossSettings(clip_eps=0.2, clip_eps_high=0.28, max_new_tokens=8, **options)
     padded_model = tiny_qwen2()
     packed_model = copy.deepcopy(padded_model)

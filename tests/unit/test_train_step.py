@@ -4,7 +4,6 @@ import copy
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from workers.trainer.losses import LossSettings, decoupled_ppo_loss
 from workers.trainer.step import StepSettings, collate, token_logprobs, train_step
@@ -15,18 +14,8 @@ PPO = LossSettings(clip_eps=0.2)
 
 
 @pytest.fixture
-def model():
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=16,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=64,
-        max_position_embeddings=32,
-    )
-    return Qwen2ForCausalLM(config).float()
+def model(tiny_qwen2):
+    return tiny_qwen2()
 
 
 def test_collate_aligns_completion_tokens_with_their_predicting_position():
