@@ -86,3 +86,26 @@ def tiny_qwen2() -> Callable[..., object]:
         return Qwen2ForCausalLM(config).float()
 
     return build
+
+
+@pytest.fixture
+def text_segment() -> Callable[..., object]:
+    """Builds a Segment of `text` (plus EOS when it stops) with a tokenizer:
+    `text_segment(tokenizer, trajectory_id, attempt, index, version, text, finish_reason, group=None)`."""
+    from schemas.messages import Segment
+
+    def build(tokenizer, trajectory, attempt, index, version, text, reason, group=None) -> Segment:
+        ids = tokenizer(text)["input_ids"] + ([tokenizer.eos_token_id] if reason == "stop" else [])
+        return Segment(
+            trajectory_id=trajectory,
+            attempt=attempt,
+            segment_index=index,
+            version=version,
+            token_ids=ids,
+            logprobs=[-0.5] * len(ids),
+            finish_reason=reason,
+            worker_id=attempt.split(":")[0],
+            group=group,
+        )
+
+    return build

@@ -4,25 +4,10 @@ import asyncio
 
 from pipeline.config import load_config, resolve
 from pipeline.demo_model import build_tokenizer
-from schemas.messages import PromptGroup, Scored, Segment
+from schemas.messages import PromptGroup, Scored
 from topics.clients import make_producer, send
 from topics.readers import read_topic
 from workers.reward import worker as reward_worker
-
-
-def segment(tokenizer, trajectory, attempt, index, version, text, reason, group=None):
-    ids = tokenizer(text)["input_ids"] + ([tokenizer.eos_token_id] if reason == "stop" else [])
-    return Segment(
-        trajectory_id=trajectory,
-        attempt=attempt,
-        segment_index=index,
-        version=version,
-        token_ids=ids,
-        logprobs=[-0.5] * len(ids),
-        finish_reason=reason,
-        worker_id=attempt.split(":")[0],
-        group=group,
-    )
 
 
 async def score_two(config, broker, topic_layout) -> dict[str, Scored]:
@@ -45,7 +30,7 @@ async def score_two(config, broker, topic_layout) -> dict[str, Scored]:
         await asyncio.wait_for(task, 30)
 
 
-async def test_segments_become_one_scored_trajectory_each(broker, topic_layout, tmp_path):
+async def test_segments_become_one_scored_trajectory_each(broker, topic_layout, tmp_path, text_segment):
     tokenizer = build_tokenizer(tmp_path / "model")
     config = resolve(
         load_config(
@@ -73,13 +58,13 @@ async def test_segments_become_one_scored_trajectory_each(broker, topic_layout, 
     )
     messages = [
         # sample 0: attempt a (dies after one segment), then attempt b finishes across two versions
-        segment(tokenizer, "e0-r1/0", "a:0", 0, 3, "5", "interrupted", group),
-        segment(tokenizer, "e0-r1/0", "b:0", 1, 5, "5", "stop"),  # arrives before its segment 0
-        segment(tokenizer, "e0-r1/0", "b:0", 0, 4, "5", "interrupted", group),
-        segment(tokenizer, "e0-r1/0", "a:0", 1, 4, "6", "stop"),  # attempt a finishes late: ignored
+        text_segment(tokenizer, "e0-r1/0", "a:0", 0, 3, "5", "interrupted", group),
+        text_segment(tokenizer, "e0-r1/0", "b:0", 1, 5, "5", "stop"),  # arrives before its segment 0
+        text_segment(tokenizer, "e0-r1/0", "b:0", 0, 4, "5", "interrupted", group),
+        text_segment(tokenizer, "e0-r1/0", "a:0", 1, 4, "6", "stop"),  # attempt a finishes late: ignored
         # sample 1: wrong answer, one segment
-        segment(tokenizer, "e0-r1/1", "b:1", 0, 4, "54", "stop", group),
-        segment(tokenizer, "e0-r1/1", "b:1", 0, 4, "54", "stop", group),  # delivered twice
+        text_segment(tokenizer, "e0-r1/1", "b:1", 0, 4, "54", "stop", group),
+        text_segment(tokenizer, "e0-r1/1", "b:1", 0, 4, "54", "stop", group),  # delivered twice
     ]
     async with make_producer(broker.bootstrap) as producer:
         for message in messages:

@@ -79,45 +79,23 @@ async def run_until(main: Awaitable[None], stop: asyncio.Event, done: Callable[[
         await asyncio.wait_for(task, 10)
 
 
-def segment(
-    tokenizer,
-    trajectory: str,
-    attempt: str,
-    index: int,
-    version: int,
-    text: str,
-    reason: str,
-    group: PromptGroup | None = None,
-) -> Segment:
-    ids = tokenizer(text)["input_ids"] + ([tokenizer.eos_token_id] if reason == "stop" else [])
-    return Segment(
-        trajectory_id=trajectory,
-        attempt=attempt,
-        segment_index=index,
-        version=version,
-        token_ids=ids,
-        logprobs=[-0.5] * len(ids),
-        finish_reason=reason,
-        worker_id="w",
-        group=group,
-    )
-
-
-async def test_reward_loop_first_finished_attempt_wins_and_poison_goes_to_dead_letter(tmp_path, model_dir):
+async def test_reward_loop_first_finished_attempt_wins_and_poison_goes_to_dead_letter(
+    tmp_path, model_dir, text_segment
+):
     tokenizer = build_tokenizer(model_dir)
     config = config_for(tmp_path, model_dir, "data.n_samples=2")
     transport = MemoryTransport(TopicLayout())
     broker = transport.broker
     async with transport.outbox() as outbox:
         for message in [
-            segment(tokenizer, "e0-r1/0", "a:0", 0, 3, "5", "interrupted", GROUP),
-            segment(tokenizer, "e0-r1/0", "b:0", 1, 5, "5", "stop"),  # before its segment 0
-            segment(tokenizer, "e0-r1/0", "b:0", 0, 4, "5", "interrupted", GROUP),
-            segment(tokenizer, "e0-r1/0", "a:0", 1, 4, "6", "stop"),  # attempt a finishes late: ignored
+            text_segment(tokenizer, "e0-r1/0", "a:0", 0, 3, "5", "interrupted", GROUP),
+            text_segment(tokenizer, "e0-r1/0", "b:0", 1, 5, "5", "stop"),  # before its segment 0
+            text_segment(tokenizer, "e0-r1/0", "b:0", 0, 4, "5", "interrupted", GROUP),
+            text_segment(tokenizer, "e0-r1/0", "a:0", 1, 4, "6", "stop"),  # attempt a finishes late: ignored
         ]:
             await outbox.send("segments", message, key="k")
         await broker.append(transport.layout.name("segments"), b"\x00poison", b"k", [])
-        await outbox.send("segments", segment(tokenizer, "e0-r1/1", "b:1", 0, 4, "54", "stop", GROUP), key="k")
+        await outbox.send("segments", text_segment(tokenizer, "e0-r1/1", "b:1", 0, 4, "54", "stop", GROUP), key="k")
 
     stop = asyncio.Event()
     scored = lambda: broker.messages("scored", Scored)  # noqa: E731
@@ -131,13 +109,15 @@ async def test_reward_loop_first_finished_attempt_wins_and_poison_goes_to_dead_l
     assert broker.committed[("reward", transport.layout.name("segments"))] == {0: 6}  # everything processed
 
 
-async def test_reward_loop_commits_nothing_past_an_unfinished_attempt(tmp_path, model_dir):
+async def test_reward_loop_commits_nothing_past_an_unfinished_attempt(tmp_path, model_dir, text_segment):
     tokenizer = build_tokenizer(model_dir)
     config = config_for(tmp_path, model_dir, "data.n_samples=2")
     transport = MemoryTransport(TopicLayout())
     async with transport.outbox() as outbox:
-        await outbox.send("segments", segment(tokenizer, "e0-r1/0", "a:0", 0, 3, "5", "interrupted", GROUP), key="k")
-        await outbox.send("segments", segment(tokenizer, "e0-r1/1", "a:1", 0, 3, "55", "stop", GROUP), key="k")
+        await outbox.send(
+            "segments", text_segment(tokenizer, "e0-r1/0", "a:0", 0, 3, "5", "interrupted", GROUP), key="k"
+        )
+        await outbox.send("segments", text_segment(tokenizer, "e0-r1/1", "a:1", 0, 3, "55", "stop", GROUP), key="k")
     stop = asyncio.Event()
     scored = lambda: transport.broker.messages("scored", Scored)  # noqa: E731
     await run_until(reward_worker.main(config, stop, transport), stop, lambda: len(scored()) == 1)
