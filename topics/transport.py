@@ -143,7 +143,7 @@ class Inbox(Generic[M]):
 
     def __init__(
         self,
-        source: RecordSource | None,
+        source: RecordSource,
         cls: type[M],
         outbox: Outbox,
         *,
@@ -152,11 +152,12 @@ class Inbox(Generic[M]):
         start_offsets: Mapping[int, int] | None = None,
         max_records: int | None = None,
         commit_period_s: float = COMMIT_PERIOD_S,
+        commits: CommitTracker | None = None,
     ):
         self.source, self.cls, self.outbox, self.role, self.origin = source, cls, outbox, role, origin
         self.max_records, self.commit_period_s = max_records, commit_period_s
         self.positions: dict[int, int] = dict(start_offsets or {})  # partition -> next offset to read
-        self.commits = CommitTracker()
+        self.commits = commits or CommitTracker()  # given when the source must reach it (rebalances)
         self._last_commit = time.monotonic()
 
     async def poll(self, timeout_s: float = 0.0) -> list[Delivery[M]]:
@@ -252,10 +253,18 @@ class Transport(abc.ABC):
         """An inbox of `role`. `group`: share the topic with the other workers of this consumer group,
         starting at the group's committed offsets; None: read every partition alone, from `start_offsets`
         (partitions not named: from the beginning)."""
-        inbox = Inbox(None, cls, outbox, role=role, origin=origin, start_offsets=start_offsets, max_records=max_records)
-        async with self.source(self.layout.name(role), group, start_offsets or {}, inbox.commits) as source:
-            inbox.source = source
-            yield inbox
+        commits = CommitTracker()
+        async with self.source(self.layout.name(role), group, start_offsets or {}, commits) as source:
+            yield Inbox(
+                source,
+                cls,
+                outbox,
+                role=role,
+                origin=origin,
+                start_offsets=start_offsets,
+                max_records=max_records,
+                commits=commits,
+            )
 
     def weights_follower(self, outbox: Outbox, *, origin: str) -> AbstractAsyncContextManager[Inbox[WeightVersion]]:
         """An inbox of `weights` from the beginning: wrap it in `WeightsFollower`."""

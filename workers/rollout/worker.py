@@ -15,6 +15,7 @@ import asyncio
 import itertools
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from opentelemetry.context import Context
@@ -47,8 +48,9 @@ class InFlight:
     def group(self) -> PromptGroup:
         return self.delivery.message
 
-    @property
+    @cached_property
     def trace(self) -> Context:
+        """The prompt's trace, from its record's headers: every segment's span joins it."""
         return self.delivery.trace()
 
 
