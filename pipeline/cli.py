@@ -13,14 +13,16 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", help="run a whole pipeline locally (the built-in demo with no config)")
-    run.add_argument("config", nargs="?", help="YAML run config (default: the built-in demo)")
+    run.add_argument(
+        "config", nargs="?", help="YAML run config, or a shipped one by name: arith (the default, the demo), chain"
+    )
     run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.optim.lr=1e-4")
     run.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, start nothing")
     run.add_argument("--explain", action="store_true", help="with --dry-run: list every field with its description")
     run.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
 
     prepare = commands.add_parser("prepare", help="make the model, topics and runs/<name>/config.yaml for a deployment")
-    prepare.add_argument("config", nargs="?", help="YAML run config (default: the built-in demo)")
+    prepare.add_argument("config", nargs="?", help="YAML run config or a shipped one's name (default: arith)")
     prepare.add_argument("overrides", nargs="*", help="dotted overrides; broker.bootstrap is required")
 
     worker = commands.add_parser("worker", help="run one worker process (what compose and Slurm start)")
@@ -274,11 +276,12 @@ def main(argv: list[str] | None = None) -> int:
             run_worker(args.role, load_config(args.config, args.overrides))
             return 0
         path, overrides = split_config_and_overrides(args.config, args.overrides)
-        config = load_config(path or default_config(), overrides)
+        path = config_file(path)
+        config = load_config(path, overrides)
         if args.command == "slurm":
             from pipeline.slurm import submit
 
-            return submit(path or default_config(), overrides, config, args)
+            return submit(path, overrides, config, args)
         if args.command == "prepare":
             from pipeline.launch import check_dataset, prepare
 
@@ -319,10 +322,24 @@ def inspect_run(args: argparse.Namespace) -> int:
     return 1
 
 
-def default_config() -> str:
+SHIPPED_CONFIGS = "configs"  # pipeline/configs/<name>.yaml: `asyncrl run <name>`
+
+
+def config_file(given: str | None) -> str:
+    """A YAML path, or the name of a shipped config (`arith`, `chain`); none given = `arith`, the demo."""
     from pathlib import Path
 
-    return str(Path(__file__).parent / "configs" / "demo.yaml")
+    from pipeline.config import ConfigError
+
+    shipped = Path(__file__).parent / SHIPPED_CONFIGS
+    if given is None:
+        return str(shipped / "arith.yaml")
+    if Path(given).is_file() or given.endswith((".yaml", ".yml")):
+        return given
+    if (shipped / f"{given}.yaml").is_file():
+        return str(shipped / f"{given}.yaml")
+    names = ", ".join(sorted(p.stem for p in shipped.glob("*.yaml")))
+    raise ConfigError(f"{given!r} is neither a config file nor a shipped config ({names})")
 
 
 if __name__ == "__main__":

@@ -145,16 +145,34 @@ def resolve(config: RunConfig) -> RunConfig:
     Called where a config is handed to workers (`prepare`, which writes config.yaml; `asyncrl worker`)
     or shown (`--dry-run`), once the run directory is named.
 
-    broker.fetch_wait_ms 0 -> 20 ms when trainer.max_staleness is 0 (every hop is on the critical path of a
+    rollout.max_new_tokens 0 and model.warmup_steps 0 -> the task's defaults; model.dtype auto -> bfloat16 on
+    CUDA, float32 on CPU; broker.fetch_wait_ms 0 -> 20 ms when trainer.max_staleness is 0 (every hop is on the critical path of a
     synchronous step), else 200 ms; trainer.checkpoint.weights_dir '' -> <runs_dir>/<name>/weights, absolute.
     """
-    broker, trainer = config.broker, config.trainer
+    broker, trainer, model, rollout = config.broker, config.trainer, config.model, config.rollout
+    task = load_task_or_error(config.data.task)
+    if not rollout.max_new_tokens:
+        rollout = replace(rollout, max_new_tokens=task.max_new_tokens)
+    if not model.warmup_steps:
+        model = replace(model, warmup_steps=task.demo.warmup_max_steps)
+    if model.dtype == "auto":
+        model = replace(model, dtype="bfloat16" if model.device.startswith("cuda") else "float32")
     if not broker.fetch_wait_ms:
         broker = replace(broker, fetch_wait_ms=20 if trainer.max_staleness == 0 else 200)
     if not trainer.checkpoint.weights_dir:
         weights_dir = str((Path(config.runs_dir) / config.name / "weights").resolve())
         trainer = replace(trainer, checkpoint=replace(trainer.checkpoint, weights_dir=weights_dir))
-    return replace(config, broker=broker, trainer=trainer)
+    return replace(config, broker=broker, trainer=trainer, model=model, rollout=rollout)
+
+
+def load_task_or_error(spec: str):
+    """The configured task (workers.tasks), or a ConfigError saying why it cannot be loaded."""
+    from workers.tasks import load_task
+
+    try:
+        return load_task(spec)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def to_yaml(config: RunConfig) -> str:

@@ -1,8 +1,9 @@
-"""The built-in demo's model: a character-level tokenizer and a tiny Qwen2, made locally.
+"""A task's demo model: a character-level tokenizer and a tiny Qwen2, made locally.
 
 No machine here reaches a model hub, so the demo builds its own Hugging Face model
-directory, then warms it up with a few supervised steps on "ab+c=" so that RL starts
-from a policy that is sometimes right (a reward signal) but mostly wrong (headroom).
+directory for the task (its `DemoRecipe`: size, positions, warm-up), then warms it up with
+supervised steps on the task's worked solutions so that RL starts from a policy that is
+sometimes right (a reward signal) but mostly wrong (headroom).
 """
 
 from __future__ import annotations
@@ -16,29 +17,24 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from workers.builtin_task import EOS_TEXT, split_rows
+from workers.tasks import EOS_TEXT, DemoRecipe, Problem, Task, load_task
+from workers.tasks.arith import Arith
 
 PAD_TEXT = "<pad>"
 UNK_TEXT = "<unk>"
-CHARS = "0123456789+="
 
-# Warm-up recipe, measured on 2 CPU cores: held-out greedy accuracy climbs ~1.5 points
-# per step around the target and the step where it gets there varies by seed (58–92),
-# so warm-up stops on a probe of unseen training problems rather than at a fixed step.
-WARMUP_ROWS = 300
-PROBE_ROWS = 200
+# Measured on 2 CPU cores for `arith`: held-out greedy accuracy climbs ~1.5 points per step
+# around the target and the step where it gets there varies by seed (58–92), so warm-up
+# stops on a probe of unseen training problems rather than at a fixed step.
 WARMUP_MAX_STEPS = 150
-WARMUP_BATCH = 64
-WARMUP_LR = 1e-3
-WARMUP_TARGET = 0.16
 PROBE_EVERY = 2
 
 
-def build_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
-    """One token per character, saved so that `AutoTokenizer.from_pretrained(path)` loads it."""
-    vocab = {tok: i for i, tok in enumerate([PAD_TEXT, EOS_TEXT, UNK_TEXT, *CHARS])}
+def build_tokenizer(path: str | Path, alphabet: str = Arith.alphabet) -> PreTrainedTokenizerFast:
+    """One token per character of `alphabet`, saved so that `AutoTokenizer.from_pretrained(path)` loads it."""
+    vocab = {tok: i for i, tok in enumerate([PAD_TEXT, EOS_TEXT, UNK_TEXT, *dict.fromkeys(alphabet)])}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TEXT))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # newlines too
     core.decoder = decoders.Fuse()  # join characters back without spaces
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
@@ -52,16 +48,18 @@ def build_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def build_model(path: str | Path, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Qwen2ForCausalLM:
-    """A ~2.2M-parameter float32 Qwen2 with random weights, saved as safetensors."""
+def build_model(
+    path: str | Path, tokenizer: PreTrainedTokenizerFast, seed: int = 0, recipe: DemoRecipe = Arith.demo
+) -> Qwen2ForCausalLM:
+    """A float32 Qwen2 with random weights (~2.2M parameters for `arith`), saved as safetensors."""
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=192,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=768,
-        max_position_embeddings=128,
+        hidden_size=recipe.hidden_size,
+        num_hidden_layers=recipe.layers,
+        num_attention_heads=recipe.heads,
+        num_key_value_heads=recipe.kv_heads,
+        intermediate_size=4 * recipe.hidden_size,
+        max_position_embeddings=recipe.positions,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -77,13 +75,13 @@ def build_model(path: str | Path, tokenizer: PreTrainedTokenizerFast, seed: int 
 
 
 def sft_batch(
-    tokenizer: PreTrainedTokenizerFast, rows: list[dict[str, str]]
+    tokenizer: PreTrainedTokenizerFast, rows: list[Problem]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded "prompt + answer + eos" ids, their attention mask, and the tokens to learn."""
+    """Right-padded "prompt + solution + eos" ids, their attention mask, and the tokens to learn."""
     seqs, masks = [], []
     for row in rows:
-        prompt = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-        answer = tokenizer(row["answer"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        prompt = tokenizer(row.prompt, add_special_tokens=False)["input_ids"]
+        answer = tokenizer(row.solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         seqs.append(prompt + answer)
         masks.append([0] * len(prompt) + [1] * len(answer))
     width = max(len(s) for s in seqs)
@@ -104,10 +102,10 @@ def completion_loss(
 
 
 @torch.no_grad()
-def exact_match(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, rows: list[dict[str, str]]) -> float:
+def exact_match(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, rows: list[Problem]) -> float:
     """Share of rows whose every completion token is the argmax under teacher forcing.
 
-    Equals greedy accuracy (greedy decoding reproduces "answer + eos" exactly when each
+    Equals greedy accuracy (greedy decoding reproduces "solution + eos" exactly when each
     step's argmax is right given the right prefix), at the cost of one forward pass.
     """
     was_training = model.training
@@ -122,19 +120,19 @@ def exact_match(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, row
 def warm_up(
     model: Qwen2ForCausalLM,
     tokenizer: PreTrainedTokenizerFast,
-    rows: list[dict[str, str]],
+    rows: list[Problem],
     steps: int = WARMUP_MAX_STEPS,
-    batch_size: int = WARMUP_BATCH,
-    lr: float = WARMUP_LR,
+    batch_size: int = Arith.demo.warmup_batch,
+    lr: float = Arith.demo.warmup_lr,
     seed: int = 0,
-    probe_rows: list[dict[str, str]] | None = None,
-    target_accuracy: float = WARMUP_TARGET,
+    probe_rows: list[Problem] | None = None,
+    target_accuracy: float = Arith.demo.warmup_target,
     progress: bool = True,
 ) -> list[float]:
     """Teacher-forced SFT on completion tokens; returns the loss of every step taken.
 
-    Deliberately short: the goal is a weak policy (~15–20 % held-out accuracy), not a
-    solved task, so that RL has room to climb. With `probe_rows` (problems warm-up never
+    Deliberately short: the goal is a weak policy (for `arith` ~15–20 % held-out accuracy),
+    not a solved task, so that RL has room to climb. With `probe_rows` (problems warm-up never
     trains on) it stops as soon as their greedy accuracy reaches `target_accuracy`,
     else it runs all `steps`.
     """
@@ -168,24 +166,39 @@ def warm_up(
 
 def prepare_demo_model(
     out_dir: str | Path,
+    task: Task | str = "arith",
     seed: int = 0,
     task_seed: int = 0,
     steps: int = WARMUP_MAX_STEPS,
     progress: bool = True,
     held_out: int = 200,
 ) -> Path:
-    """Build, warm up and save the demo model and tokenizer into `out_dir`.
+    """Build, warm up and save the task's demo model and tokenizer into `out_dir`.
 
     `seed` sets the weights and the warm-up order; `task_seed` and `held_out` must be
-    the run's `split_rows` arguments, so that warm-up never sees a held-out problem.
+    the run's `split` arguments, so that warm-up never sees a held-out problem.
     `steps` caps the warm-up, which normally stops earlier on its probe.
     """
+    task = load_task(task) if isinstance(task, str) else task
+    recipe = task.demo
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out)
-    model = build_model(out, tokenizer, seed=seed)
-    train_rows, _ = split_rows(seed=task_seed, n_heldout=held_out)
-    warm_rows, probe_rows = train_rows[:WARMUP_ROWS], train_rows[WARMUP_ROWS : WARMUP_ROWS + PROBE_ROWS]
-    warm_up(model, tokenizer, warm_rows, steps=steps, seed=seed, probe_rows=probe_rows, progress=progress)
+    tokenizer = build_tokenizer(out, task.alphabet)
+    model = build_model(out, tokenizer, seed=seed, recipe=recipe)
+    train_rows, _ = task.split(task_seed, held_out)
+    warm_rows = train_rows[: recipe.warmup_rows]
+    probe_rows = train_rows[recipe.warmup_rows : recipe.warmup_rows + recipe.probe_rows]
+    warm_up(
+        model,
+        tokenizer,
+        warm_rows,
+        steps=steps,
+        batch_size=recipe.warmup_batch,
+        lr=recipe.warmup_lr,
+        seed=seed,
+        probe_rows=probe_rows,
+        target_accuracy=recipe.warmup_target,
+        progress=progress,
+    )
     model.save_pretrained(str(out))
     return out

@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from schemas.config import RunConfig
-from workers import builtin_task
 from workers.rollout.engine import Engine
 from workers.rollout.protocol import SamplingParams, generate_all
+from workers.tasks import load_task
 from workers.weights import load_into, read_version
 
 
@@ -34,18 +34,19 @@ def greedy_accuracy(
 class Evaluator:
     """The built-in task's held-out problems, scored for any weight version of the run."""
 
-    def __init__(self, model_path: str, rows: list[dict[str, str]], max_new_tokens: int):
+    def __init__(self, model_path: str, rows: list[dict[str, str]], max_new_tokens: int, task: str):
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.rows, self.max_new_tokens = rows, max_new_tokens
+        self.rows, self.max_new_tokens, self.score = rows, max_new_tokens, load_task(task).score
 
     @classmethod
     def for_config(cls, config: RunConfig) -> Evaluator | None:
         """None when the dataset has no held-out split (only the built-in task has one)."""
         if config.data.source != "builtin":
             return None
-        _, held_out = builtin_task.split_rows(config.seed, config.data.held_out)
-        return cls(config.model.path, held_out, config.rollout.max_new_tokens)
+        _, held_out = load_task(config.data.task).split(config.seed, config.data.held_out)
+        rows = [{"prompt": p.prompt, "answer": p.answer} for p in held_out]
+        return cls(config.model.path, rows, config.rollout.max_new_tokens, config.data.task)
 
     def accuracy(self, weights: Path | None = None) -> float | None:
         """Accuracy of `weights` (a version file), or of the model as loaded; None if the file is gone."""
@@ -54,4 +55,4 @@ class Evaluator:
                 load_into(self.model, read_version(weights))
             except FileNotFoundError:
                 return None
-        return greedy_accuracy(self.model, self.tokenizer, self.rows, builtin_task.score, self.max_new_tokens)
+        return greedy_accuracy(self.model, self.tokenizer, self.rows, self.score, self.max_new_tokens)

@@ -137,11 +137,13 @@ def prepare(config: RunConfig, progress: bool = True) -> tuple[RunConfig, Path]:
     else:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         config = msgspec.structs.replace(config, runs_dir=str(run_dir.parent))
+    config = resolve(config)  # the task's defaults (warm-up steps) before the demo model is built
     if not config.model.path:
         from pipeline.demo_model import prepare_demo_model
 
         model_dir = prepare_demo_model(
             run_dir / "model",
+            config.data.task,
             seed=config.seed,
             task_seed=config.seed,
             steps=config.model.warmup_steps,

@@ -487,7 +487,7 @@ async def rescore_run(source: RunTopics, config: RunConfig, args: argparse.Names
         sys.path.insert(0, os.getcwd())
     try:
         msgspec.structs.replace(config, data=msgspec.structs.replace(config.data, reward=args.reward))
-        functions.load(args.reward)
+        functions.load(args.reward, config.data.task)
     except Exception as exc:  # the user's module: a syntax error or a failing import is as bad as a missing one
         raise ConfigError(
             f"--reward: {exc if isinstance(exc, ValueError) else f'{type(exc).__name__}: {exc}'}"
@@ -496,7 +496,7 @@ async def rescore_run(source: RunTopics, config: RunConfig, args: argparse.Names
     timeout_s = config.reward.timeout_s if args.timeout is None else args.timeout
     if processes < 1 or timeout_s <= 0:
         raise ConfigError("--processes and --timeout must be positive")
-    pool = ScoringPool(args.reward, processes, timeout_s)
+    pool = ScoringPool(args.reward, processes, timeout_s, config.data.task)
     try:
         return await rescore(source, pool, config.reward.failure_reward, processes)
     finally:

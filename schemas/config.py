@@ -39,19 +39,50 @@ class BrokerConfig(Section):
 class ModelConfig(Section):
     path: Annotated[str, doc("local directory of a Hugging Face causal LM; empty = build the demo model")] = ""
     device: Annotated[str, doc("torch device for rollout and trainer: cpu, cuda, cuda:1 ...")] = "cpu"
+    dtype: Annotated[
+        Literal["auto", "float32", "bfloat16", "float16"],
+        doc(
+            "weights and activations of rollout and evaluation, and the trainer's compute (autocast; its master "
+            "weights and optimizer stay float32); auto = bfloat16 on CUDA, float32 on CPU"
+        ),
+    ] = "auto"
     warmup_steps: Annotated[
-        int, doc("demo only: at most this many supervised warm-up steps (it stops at ~16% accuracy)", ge=0)
-    ] = 150
+        int,
+        doc(
+            "demo model only: at most this many supervised warm-up steps (it stops earlier at the task's target); "
+            "0 = the task's own cap",
+            ge=0,
+        ),
+    ] = 0
 
 
 class DataConfig(Section):
-    source: Annotated[str, doc("'builtin' (the demo task) or a JSONL file with prompt/answer fields")] = "builtin"
-    reward: Annotated[str, doc("'builtin' (exact match), 'math' (math-verify) or 'module:function' of your own")] = (
-        "builtin"
-    )
+    task: Annotated[
+        str,
+        doc(
+            "the task: 'arith' (the demo), 'chain' (long chains of thought), path/to/file.py:Class or "
+            "module:Class (a subclass of workers.tasks.Task): its rows, verifier, demo model and defaults"
+        ),
+    ] = "arith"
+    source: Annotated[str, doc("'builtin' (the task's own rows) or a JSONL file with prompt/answer fields")] = "builtin"
+    reward: Annotated[
+        str, doc("'builtin' (the task's verifier), 'math' (math-verify) or 'module:function' of your own")
+    ] = "builtin"
+    eval_source: Annotated[
+        str,
+        doc(
+            "held-out JSONL/Parquet (prompt/answer) scored during and after training; empty = the task's held-out "
+            "split when data.source is 'builtin', else no evaluation"
+        ),
+    ] = ""
+    template: Annotated[
+        Literal["raw", "chat"],
+        doc("'raw': the prompt text tokenised as is; 'chat': the tokenizer's chat template, one user turn"),
+    ] = "raw"
+    system_prompt: Annotated[str, doc("chat template only: a system turn before the prompt; empty = none")] = ""
     n_samples: Annotated[int, doc("completions per prompt (the GRPO group size)", ge=1)] = 8
     epochs: Annotated[int, doc("passes over the dataset before the prompt source stops", ge=1)] = 1000
-    held_out: Annotated[int, doc("built-in task: problems kept out of training for evaluation", ge=1)] = 200
+    held_out: Annotated[int, doc("the task's own rows: problems kept out of training for evaluation", ge=1)] = 200
 
 
 class RolloutConfig(Section):
@@ -60,7 +91,7 @@ class RolloutConfig(Section):
     temperature: Annotated[float, doc("sampling temperature (0 = greedy)", ge=0)] = 1.0
     top_p: Annotated[float, doc("nucleus sampling mass", gt=0, le=1)] = 1.0
     top_k: Annotated[int, doc("sample among the k most likely tokens; 0 = off", ge=0)] = 0
-    max_new_tokens: Annotated[int, doc("completion length limit", ge=1)] = 16
+    max_new_tokens: Annotated[int, doc("completion length limit; 0 = the task's default", ge=0)] = 0
     interrupt: Annotated[bool, doc("interrupt in-flight sequences when new weights arrive")] = True
     threads: Annotated[int, doc("torch CPU threads of each rollout worker", ge=1)] = 1
     backend: Annotated[
@@ -167,7 +198,12 @@ class TrainerConfig(Section):
 
 
 class EvalConfig(Section):
-    every: Annotated[int, doc("evaluate held-out greedy accuracy every N versions; 0 = only first/last", ge=0)] = 50
+    every: Annotated[int, doc("evaluate the held-out set every N versions; 0 = only first/last", ge=0)] = 50
+    k: Annotated[
+        int, doc("sampled completions per prompt beside the greedy one (pass@k, maj@k); 0 = greedy only", ge=0)
+    ] = 0
+    temperature: Annotated[float, doc("sampling temperature of the k samples", gt=0)] = 1.0
+    max_rows: Annotated[int, doc("evaluate at most this many held-out rows (the first ones); 0 = all", ge=0)] = 0
 
 
 WANDB_FORBIDDEN = "/\\#?%:"  # characters W&B rejects in a project name
@@ -229,8 +265,10 @@ class RunConfig(Section):
             raise ValueError("data.reward 'builtin' verifies the built-in task only; use 'math' or 'module:function'")
         if self.data.source != "builtin" and not self.model.path:
             raise ValueError(
-                "data.source other than 'builtin' needs model.path (the demo model only knows its own task)"
+                "data.source other than 'builtin' needs model.path (the demo model only knows its task's rows)"
             )
+        if self.data.system_prompt and self.data.template != "chat":
+            raise ValueError("data.system_prompt needs data.template=chat (a raw prompt has no system turn)")
         if self.rollout.workers > self.broker.partitions:
             raise ValueError(
                 f"rollout.workers={self.rollout.workers} needs broker.partitions >= {self.rollout.workers} "

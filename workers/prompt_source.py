@@ -21,8 +21,9 @@ from schemas.config import RunConfig
 from schemas.messages import DeadLetter, PromptGroup, WeightVersion
 from topics.tracing import trace_headers
 from topics.transport import Outbox, Transport, WeightsFollower
-from workers import builtin_task, runtime
+from workers import runtime
 from workers.staleness import may_release
+from workers.tasks import load_task
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,8 @@ class BadRow(ValueError):
 def load_rows(config: RunConfig) -> tuple[list[Row], list[BadRow]]:
     """The training rows and the rows that could not be used (with their line numbers)."""
     if config.data.source == "builtin":
-        train, _ = builtin_task.split_rows(config.seed, config.data.held_out)
-        return [Row(i, r["prompt"], r["answer"], {}) for i, r in enumerate(train)], []
+        train, _ = load_task(config.data.task).split(config.seed, config.data.held_out)
+        return [Row(i, p.prompt, p.answer, dict(p.metadata)) for i, p in enumerate(train)], []
     rows, bad = [], []
     for number, line in enumerate(Path(config.data.source).read_text().splitlines(), start=1):
         if not line.strip():

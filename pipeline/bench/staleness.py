@@ -1,6 +1,6 @@
 """`asyncrl bench staleness`: held-out accuracy against the staleness bound, naive vs decoupled PPO.
 
-The paper's Table 2 / Figure 5 on the built-in task: the demo (configs/demo.yaml)
+The paper's Table 2 / Figure 5 on the built-in task: the demo (configs/arith.yaml)
 trained with eta in {0, 1, 2, 4, 8} under both objectives, each run a whole
 `asyncrl run`. Naive PPO clips the ratio against the behaviour policy, which lags
 the trainer by up to eta versions; decoupled PPO clips against pi_prox (the weights
@@ -33,8 +33,8 @@ import transformers
 from tqdm import tqdm
 
 from pipeline.bench import machine, run_to_end
-from pipeline.cli import default_config
-from pipeline.config import ConfigError, load_config
+from pipeline.cli import config_file
+from pipeline.config import ConfigError, load_config, resolve
 from pipeline.monitor import read_metrics
 from schemas.config import RunConfig
 
@@ -89,7 +89,7 @@ def grid(plan: Plan) -> list[Setting]:
 
 def run_configs(plan: Plan, common: list[str]) -> dict[Setting, RunConfig]:
     """Every run's config, all validated before anything starts."""
-    return {s: load_config(default_config(), [*common, *s.overrides()]) for s in grid(plan)}
+    return {s: load_config(config_file(None), [*common, *s.overrides()]) for s in grid(plan)}
 
 
 def build_models(configs: dict[Setting, RunConfig], models_dir: Path, progress: bool) -> dict[int, str]:
@@ -102,9 +102,10 @@ def build_models(configs: dict[Setting, RunConfig], models_dir: Path, progress: 
             built[config.seed] = str(
                 prepare_demo_model(
                     models_dir / f"seed{config.seed}",
+                    config.data.task,
                     seed=config.seed,
                     task_seed=config.seed,
-                    steps=config.model.warmup_steps,
+                    steps=resolve(config).model.warmup_steps,
                     progress=progress,
                     held_out=config.data.held_out,
                 )
@@ -325,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
         f"eval.every={args.eval_every}",
         "telemetry.sample_ratio=0",
     ]
-    shared = load_config(default_config(), common)  # what every run has before its own eta, objective and seed
+    shared = load_config(config_file(None), common)  # what every run has before its own eta, objective and seed
     if shared.data.source != "builtin":
         raise ConfigError("bench staleness measures held-out accuracy, which only the built-in task has")
     configs = run_configs(plan, common)

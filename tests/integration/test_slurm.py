@@ -99,7 +99,7 @@ def test_dry_run_prints_the_job_and_submits_nothing(tmp_path):
     ):
         assert f"\n#SBATCH {option}\n" in script
     assert re.search(r"launch broker .*--relative=0 --gres=none", script)  # the embedded broker, node 0
-    assert f"prepare {ROOT}/pipeline/configs/demo.yaml " in script
+    assert f"prepare {ROOT}/pipeline/configs/arith.yaml " in script
     assert f"runs_dir={tmp_path}/runs rollout.workers=4 broker.partitions=4" in script
     trainer = re.search(r"launch trainer (.*?)--config \"\$CONFIG\"", script, re.S).group(1)
     for part in (

@@ -78,7 +78,7 @@ def test_dry_run_shows_the_values_that_run(capsys, tmp_path):
     shown = yaml.safe_load(capsys.readouterr().out)
     assert shown["trainer"]["steps"] == 1200  # the demo config's, not the schema default
     assert shown["trainer"]["optim"]["lr"] == 5e-5 and shown["broker"]["fetch_wait_ms"] == 200
-    assert shown["trainer"]["checkpoint"]["weights_dir"] == str(tmp_path / "demo" / "weights")
+    assert shown["trainer"]["checkpoint"]["weights_dir"] == str(tmp_path / "arith" / "weights")
     assert main(["run", "--dry-run", "--explain", "trainer.max_staleness=0"]) == 0
     explained = capsys.readouterr().out
     assert "trainer.steps = 1200  # " in explained and "broker.fetch_wait_ms = 20  # " in explained

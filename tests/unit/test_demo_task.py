@@ -6,7 +6,22 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.demo_model import build_model, build_tokenizer, completion_loss, exact_match, sft_batch, warm_up
-from workers.builtin_task import EOS_TEXT, all_problems, score, split_rows
+from workers.tasks import EOS_TEXT, Problem
+from workers.tasks.arith import Arith
+
+ARITH = Arith()
+score = ARITH.score
+
+
+def all_problems() -> list[dict[str, str]]:
+    return [{"prompt": p.prompt, "answer": p.answer} for p in ARITH.problems(0)]
+
+
+def split_rows(seed: int = 0, n_heldout: int = 200) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    train, held_out = ARITH.split(seed, n_heldout)
+    return [{"prompt": p.prompt, "answer": p.answer} for p in train], [
+        {"prompt": p.prompt, "answer": p.answer} for p in held_out
+    ]
 
 
 def test_split_is_disjoint_complete_and_deterministic():
@@ -71,7 +86,7 @@ def test_warm_up_reduces_loss(tmp_path):
     torch.set_num_threads(1)
     tokenizer = build_tokenizer(tmp_path)
     model = build_model(tmp_path, tokenizer, seed=0)
-    rows = split_rows(seed=0)[0][:64]
+    rows = ARITH.split(0, 200)[0][:64]
     batch = sft_batch(tokenizer, rows)
     with torch.no_grad():
         before = completion_loss(model, *batch).item()
@@ -84,7 +99,7 @@ def test_warm_up_reduces_loss(tmp_path):
 
 def test_sft_batch_learns_only_the_completion(tmp_path):
     tokenizer = build_tokenizer(tmp_path)
-    rows = [{"prompt": "47+8=", "answer": "55"}, {"prompt": "10+0=", "answer": "10"}]
+    rows = [Problem("47+8=", "55", "55"), Problem("10+0=", "10", "10")]
     ids, attention, learn = sft_batch(tokenizer, rows)
     assert tokenizer.decode(ids[0]) == "47+8=55" + EOS_TEXT
     assert learn[0].tolist() == [False] * 5 + [True] * 3
@@ -94,7 +109,7 @@ def test_sft_batch_learns_only_the_completion(tmp_path):
 def test_exact_match_probe_stops_warm_up(tmp_path):
     tokenizer = build_tokenizer(tmp_path)
     model = build_model(tmp_path, tokenizer, seed=0)
-    rows = split_rows(seed=0)[0][:32]
+    rows = ARITH.split(0, 200)[0][:32]
     assert exact_match(model, tokenizer, rows) == 0.0
     losses = warm_up(model, tokenizer, rows, steps=50, seed=0, probe_rows=rows, target_accuracy=0.0, progress=False)
     assert len(losses) == 2  # the first probe (every 2 steps) already meets a zero target

@@ -2,7 +2,8 @@
 
 A reward function is `fn(prompt: str, completion: str, metadata: dict[str, str])`
 returning a float, or `(float, details: dict)`. `metadata` holds the row's fields
-plus "answer". This module runs inside the scoring processes.
+plus "answer". 'builtin' is the task's own verifier. This module runs inside the
+scoring processes.
 """
 
 from __future__ import annotations
@@ -12,13 +13,9 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from workers import builtin_task
+from workers.tasks import load_task
 
 RewardFn = Callable[[str, str, dict[str, str]], Any]
-
-
-def builtin(prompt: str, completion: str, metadata: dict[str, str]) -> float:
-    return builtin_task.score(completion, metadata["answer"])
 
 
 def math_answer(prompt: str, completion: str, metadata: dict[str, str]) -> tuple[float, dict[str, str]]:
@@ -29,10 +26,11 @@ def math_answer(prompt: str, completion: str, metadata: dict[str, str]) -> tuple
     return (1.0 if gold and predicted and verify(gold, predicted) else 0.0), {"parsed": str(predicted[:1])}
 
 
-def load(spec: str) -> RewardFn:
-    """'builtin', 'math', or 'package.module:function'."""
+def load(spec: str, task: str = "arith") -> RewardFn:
+    """'builtin' (the verifier of `task`, a data.task spec), 'math', or 'package.module:function'."""
     if spec == "builtin":
-        return builtin
+        verifier = load_task(task)
+        return lambda prompt, completion, metadata: verifier.score(completion, metadata["answer"])
     if spec == "math":
         return math_answer
     module_name, _, attribute = spec.partition(":")

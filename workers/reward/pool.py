@@ -25,14 +25,14 @@ from workers.reward import functions
 
 
 @lru_cache(maxsize=8)
-def _function(spec: str) -> functions.RewardFn:
-    return functions.load(spec)
+def _function(spec: str, task: str) -> functions.RewardFn:
+    return functions.load(spec, task)
 
 
-def _call(spec: str, prompt: str, completion: str, metadata: dict[str, str]) -> tuple[str, object]:
+def _call(spec: str, task: str, prompt: str, completion: str, metadata: dict[str, str]) -> tuple[str, object]:
     """Runs in a scoring process: ("ok", (reward, details)) or ("error", text)."""
     try:
-        return "ok", functions.normalise(_function(spec)(prompt, completion, metadata))
+        return "ok", functions.normalise(_function(spec, task)(prompt, completion, metadata))
     except Exception as exc:  # the user's code: anything may come out
         return "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"
 
@@ -87,9 +87,9 @@ class _Scorer:
 
 
 class ScoringPool:
-    def __init__(self, spec: str, processes: int, timeout_s: float):
-        functions.load(spec)  # fail here, clearly, rather than in every call
-        self.spec, self.timeout_s = spec, timeout_s
+    def __init__(self, spec: str, processes: int, timeout_s: float, task: str = "arith"):
+        functions.load(spec, task)  # fail here, clearly, rather than in every call
+        self.spec, self.task, self.timeout_s = spec, task, timeout_s
         self._context = multiprocessing.get_context("spawn")  # no inherited locks or threads
         self._scorers = [_Scorer(self._context) for _ in range(processes)]
         self._idle: asyncio.Queue[_Scorer] | None = None  # made in the event loop, at the first call
@@ -108,7 +108,7 @@ class ScoringPool:
         scorer = await self._idle.get()
         try:
             status, value = await asyncio.wait_for(
-                scorer.call((self.spec, prompt, completion, metadata)), self.timeout_s
+                scorer.call((self.spec, self.task, prompt, completion, metadata)), self.timeout_s
             )
         except BaseException as exc:  # its answer may still come: this process is never asked again
             scorer = self._replace(scorer)

@@ -62,7 +62,8 @@ class Scorer:
     def __init__(self, ctx: runtime.WorkerContext, outbox: Outbox, inbox: Inbox[Segment]):
         self.ctx, self.outbox, self.inbox = ctx, outbox, inbox
         self.tokenizer = AutoTokenizer.from_pretrained(ctx.config.model.path)
-        self.pool = ScoringPool(ctx.config.data.reward, ctx.config.reward.processes, ctx.config.reward.timeout_s)
+        data, reward = ctx.config.data, ctx.config.reward
+        self.pool = ScoringPool(data.reward, reward.processes, reward.timeout_s, data.task)
         self.tasks: set[asyncio.Task] = set()
         self.scored = 0
 
