@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     broker.add_argument("--port", type=int, default=None, help="loopback port (default: a free one)")
     broker.add_argument("--log", default="broker.log", help="broker log file")
 
+    add_eval_parser(commands)
+    add_export_parser(commands)
     add_topics_parser(commands)
     add_replay_parser(commands)
     add_bench_parser(commands)
@@ -53,9 +55,16 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
         "microbatch", help="trainer tokens/s and peak memory: token-budget vs fixed-count micro-batches"
     )
     add_microbatch_arguments(microbatch)
-    pipeline = kinds.add_parser("pipeline", help="training throughput: eta=0 vs eta=4, interruption on vs off")
+    pipeline = kinds.add_parser(
+        "pipeline",
+        help="training throughput: eta=0 vs eta=4, interruption on vs off",
+        description="Three whole pipelines of --task's shipped config (default chain), back to back on one demo "
+        "model: eta 0 (sync), eta 4 with interruption, eta 4 without. Reports trained and generated tokens/s, "
+        "the cores each role was given and used, and the machine's cores.",
+    )
     pipeline.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. rollout.max_batch=16")
-    pipeline.add_argument("--out", default="runs/bench/pipeline.json", help="JSON results file (default: %(default)s)")
+    add_task_argument(pipeline)
+    pipeline.add_argument("--out", help="JSON results file (default: runs/bench/pipeline-<task>.json)")
     pipeline.add_argument("--steps", type=int, default=60, help="trainer steps per run (default: %(default)s)")
     pipeline.add_argument(
         "--warmup-steps", type=int, default=10, help="steps left out of the measurement (default: %(default)s)"
@@ -63,8 +72,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     pipeline.add_argument(
         "--max-new-tokens",
         type=int,
-        default=120,
-        help="output length limit; the demo model holds 128 positions (default: %(default)s)",
+        help="output length limit (default: the task config's rollout.max_new_tokens, 0 = the task's own)",
     )
     pipeline.add_argument("--batch-groups", type=int, default=8, help="groups per step (default: %(default)s)")
     pipeline.add_argument("--n-samples", type=int, default=8, help="samples per group (default: %(default)s)")
@@ -80,10 +88,11 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     staleness = kinds.add_parser(
         "staleness",
         help="held-out accuracy vs staleness bound eta, naive vs decoupled PPO (the paper's Table 2)",
-        description="Train the built-in task with eta in {0, 1, 2, 4, 8} under naive and decoupled PPO, one whole "
-        "pipeline per run, from one warm-up model per seed. The full grid is 5 x 2 x 3 seeds = 30 runs of "
-        "1,200 steps: about 3 h on 2 idle CPU cores, 4-6 h on busy ones. --quick: eta 0 and 4, one seed, "
-        "600 steps, 4 runs: about 15 min idle, 21 min measured on 2 busy cores.",
+        description="Train --task (its shipped config, default chain) with eta in {0, 1, 2, 4, 8} under naive and "
+        "decoupled PPO, one whole pipeline per run, from one warm-up model per seed; each cell is the mean +- "
+        "sample sd over the seeds. The full grid is 5 x 2 x 3 seeds = 30 runs of the task's trainer.steps "
+        "(arith: 1,200 steps, about 3 h on 2 idle CPU cores, 4-6 h on busy ones; chain: to be measured). "
+        "--quick: eta 0 and 4, one seed, half the steps, 4 runs (arith: about 15 min idle, 21 min on 2 busy cores).",
     )
     add_staleness_arguments(staleness)
 
@@ -126,16 +135,19 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_staleness_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. trainer.optim.lr=3e-4")
-    parser.add_argument("--quick", action="store_true", help="eta 0 and 4 only, seed 0, 600 steps")
+    add_task_argument(parser)
+    parser.add_argument("--quick", action="store_true", help="eta 0 and 4 only, seed 0, half the steps")
     parser.add_argument("--seeds", type=int, nargs="+", help="seeds (default: 0 1 2; --quick: 0)")
-    parser.add_argument("--steps", type=int, help="trainer steps per run (default: 1200, the demo's; --quick: 600)")
+    parser.add_argument(
+        "--steps", type=int, help="trainer steps per run (default: the task config's trainer.steps; --quick: half)"
+    )
     parser.add_argument(
         "--eval-every", type=int, default=50, help="steps between held-out evaluations (default: %(default)s)"
     )
     parser.add_argument(
         "--out",
         help="JSON results file, the plot next to it as .png "
-        "(default: runs/bench/staleness.json; --quick: runs/bench/staleness-quick.json)",
+        "(default: runs/bench/staleness-<task>.json; --quick: runs/bench/staleness-<task>-quick.json)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument(
@@ -143,6 +155,15 @@ def add_staleness_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         metavar="JSON",
         help="run nothing: one table and plot from reports of separate runs (e.g. one seed each)",
+    )
+
+
+def add_task_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--task",
+        default="chain",
+        help="a shipped config's name (pipeline/configs/<task>.yaml: arith, chain) or a YAML config file; "
+        "every run is that config plus the bench's settings (default: %(default)s)",
     )
 
 
@@ -173,6 +194,74 @@ def add_microbatch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="weights, lengths and tokens (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+
+
+def add_eval_parser(commands: argparse._SubParsersAction) -> None:
+    """`asyncrl eval`: its options here, its body in pipeline/eval_command.py (torch is imported only there)."""
+    evaluate = commands.add_parser(
+        "eval",
+        help="score a model or a run's weight version on a dataset: greedy accuracy, pass@1, pass@k, maj@k",
+        description="Greedy completions (and --k samples at --temperature) for every row of --data or a task's "
+        "held-out split, scored by the reward's verifier. Prints the summary JSON (pass_at_1, pass_at_k, maj_at_k, "
+        "greedy_accuracy, k, n, length_p50, length_p90, ...); --out writes it, --rows-out the per-row JSONL.",
+    )
+    which = evaluate.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", metavar="DIR", help="a local Hugging Face causal LM directory")
+    which.add_argument("--run", metavar="DIR", help="a run directory (runs/<run>, with its config.yaml)")
+    evaluate.add_argument(
+        "--version", default=None, help="with --run: a weight version N, or 'latest' (default); 0 = the base model"
+    )
+    data = evaluate.add_mutually_exclusive_group()
+    data.add_argument("--data", metavar="FILE", help="JSONL or Parquet rows with prompt and answer fields")
+    data.add_argument(
+        "--task",
+        metavar="SPEC",
+        help="a task's held-out split (arith, chain, file.py:Class); with --run the default is the run's "
+        "data.eval_source, else its task's held-out split",
+    )
+    evaluate.add_argument(
+        "--reward",
+        help="'builtin', 'math' or 'module:function' (default: the run's data.reward, else builtin with --task, "
+        "math with --data)",
+    )
+    evaluate.add_argument("--template", choices=("raw", "chat"), help="prompt template (default: the run's, else raw)")
+    evaluate.add_argument("--system-prompt", default=None, help="chat template's system turn (default: the run's)")
+    evaluate.add_argument("--k", type=int, default=0, help="samples per prompt beside the greedy one (default: 0)")
+    evaluate.add_argument("--temperature", type=float, default=1.0, help="of the k samples (default: 1.0)")
+    evaluate.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help="completion limit (default: the run's, else the task's with --task, else 512)",
+    )
+    evaluate.add_argument("--max-rows", type=int, default=0, help="the first N rows only (default: all)")
+    evaluate.add_argument("--held-out", type=int, help="--task: size of the held-out split (default: the run's, 200)")
+    evaluate.add_argument(
+        "--seed", type=int, default=0, help="sampling seed; also the task split's without --run (default: 0)"
+    )
+    evaluate.add_argument("--max-batch", type=int, help="sequences decoded together (default: the run's, else 64)")
+    evaluate.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: the run's, else cuda when available)")
+    evaluate.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="(default: by device)")
+    evaluate.add_argument(
+        "--threads",
+        type=int,
+        help="torch CPU threads (default: the run's rollout.threads, else 1; more pays only on idle cores)",
+    )
+    evaluate.add_argument("--out", metavar="FILE", help="write the summary JSON here")
+    evaluate.add_argument("--rows-out", metavar="FILE", help="per-row JSONL (default: <out>.rows.jsonl with --out)")
+    evaluate.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_export_parser(commands: argparse._SubParsersAction) -> None:
+    """`asyncrl export`: one weight version of a run as a Hugging Face model directory (pipeline/export_model.py)."""
+    export = commands.add_parser(
+        "export",
+        help="write a run's weight version as a Hugging Face model directory (from_pretrained loads it)",
+        description="config.json, generation_config.json, model.safetensors (the version's weights, in the dtype "
+        "the run published), the tokenizer of the run's model.path, and asyncrl.json (run, version, sha256).",
+    )
+    export.add_argument("--run", required=True, metavar="DIR", help="a run directory (runs/<run>, with config.yaml)")
+    export.add_argument("--version", type=int, default=None, help="the weight version (default: the newest on disk)")
+    export.add_argument("--out", required=True, metavar="DIR", help="the directory to write (new, or an export)")
 
 
 def add_topics_parser(commands: argparse._SubParsersAction) -> None:
@@ -261,6 +350,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in ("topics", "replay"):
             return inspect_run(args)
+        if args.command == "eval":
+            return eval_command(args)
+        if args.command == "export":
+            from pipeline.export_model import export_model
+
+            print(export_model(args.run, args.version, args.out))
+            return 0
         if args.command == "bench":
             from pipeline.bench import run as run_bench
 
@@ -300,6 +396,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"asyncrl: {exc}", file=sys.stderr)
         return 2
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    """`asyncrl eval` (pipeline/eval_command.py: torch is imported there); unusable input raises ConfigError."""
+    from pipeline.eval_command import run_eval
+
+    return run_eval(args)
 
 
 def inspect_run(args: argparse.Namespace) -> int:

@@ -1,58 +1,349 @@
-"""Held-out evaluation: greedy accuracy with the rollout engine itself."""
+"""Evaluation on any dataset: greedy accuracy, pass@k, maj@k and completion lengths, with the rollout engine.
+
+One evaluator for `asyncrl eval` (a model directory or a run's weight version) and for a run's
+evaluation during training (the monitor scores every `eval.every`-th version while the trainer
+goes on). Per row: one greedy completion and `k` samples at `temperature`, each scored by the
+verifier in this process (one that raises scores 0, its error kept in the row's output) and
+reduced to an answer key for majority voting (`workers.reward.functions.answer_key`).
+
+A completion is correct when its score reaches full credit (CORRECT_AT): pass@1, pass@k, maj@k
+and greedy accuracy all count correct completions, so pass@k >= pass@1 holds for any reward.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+import math
+import os
+import sys
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from tqdm import tqdm
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from pipeline.config import ConfigError
 from schemas.config import RunConfig
+from workers.models import encode_prompt, load_causal_lm
+from workers.prompt_source import BadRow, Row, parse_row
+from workers.reward import functions
 from workers.rollout.engine import Engine
-from workers.rollout.protocol import SamplingParams, generate_all
+from workers.rollout.protocol import SamplingParams, check_request, generate_all
 from workers.tasks import load_task
 from workers.weights import load_into, read_version
 
+CORRECT_AT = 1.0  # full credit: the built-in verifiers give 1.0 for a right answer, 0.0 otherwise
 
-def greedy_accuracy(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    rows: list[dict[str, str]],
-    score_fn: Callable[[str, str], float],
-    max_new_tokens: int = 8,
-    max_batch: int = 256,
-) -> float:
-    """Mean score of greedy completions over rows {"prompt", "answer"}."""
-    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,))
-    prompts = [tokenizer(r["prompt"])["input_ids"] for r in rows]
-    seqs = generate_all(Engine(model, max_batch=max_batch), prompts, params)
-    texts = tokenizer.batch_decode([s.token_ids for s in seqs], skip_special_tokens=True)
-    return sum(score_fn(text, row["answer"]) for text, row in zip(texts, rows, strict=True)) / len(rows)
+
+# ---- metrics: pure functions ----
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of n samples of which c are correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority(keys: Sequence[str]) -> int:
+    """Index of the sample whose answer is the most common one; a tie goes to the answer seen first."""
+    counts = Counter(keys)  # insertion order = first occurrence, and max() keeps the first of equal counts
+    return list(keys).index(max(counts, key=counts.__getitem__))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile with linear interpolation between ranks (numpy's default); 0.0 for no values."""
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def correct(score: float) -> bool:
+    return score >= CORRECT_AT
+
+
+def summarise(rows: list[dict], k: int, temperature: float) -> dict:
+    """The run-level numbers from per-row results (`Evaluator.evaluate`'s rows)."""
+    n = len(rows)
+    lengths = [length for r in rows for length in (r["greedy_length"], *r["sample_lengths"]) if length]
+    summary = {
+        "n": n,
+        "k": k,
+        "temperature": temperature if k else None,
+        "greedy_accuracy": sum(correct(r["greedy_score"]) for r in rows) / n,
+        "greedy_mean_score": sum(r["greedy_score"] for r in rows) / n,
+        "pass_at_1": None,
+        "pass_at_k": None,
+        "maj_at_k": None,
+        "length_p50": percentile(lengths, 50),
+        "length_p90": percentile(lengths, 90),
+        "truncated": sum(r["truncated"] for r in rows),  # completions cut at max_new_tokens (or the model's length)
+        "errors": sum(len(r["errors"]) for r in rows),  # verifier failures and refused prompts (scored 0)
+    }
+    if k:
+        summary["pass_at_1"] = sum(pass_at_k(k, r["correct"], 1) for r in rows) / n
+        summary["pass_at_k"] = sum(pass_at_k(k, r["correct"], k) for r in rows) / n
+        summary["maj_at_k"] = sum(correct(r["majority_score"]) for r in rows) / n
+    return summary
+
+
+# ---- rows ----
+
+
+def read_rows(path: str | Path) -> tuple[list[Row], list[BadRow]]:
+    """Rows of a JSONL or Parquet file (prompt, answer, other fields as metadata) and the unusable ones."""
+    path = Path(path)
+    if path.suffix.lower() in (".parquet", ".pq"):
+        import pyarrow.parquet as pq
+
+        lines = [json.dumps(record, default=str) for record in pq.read_table(path).to_pylist()]
+    else:
+        lines = path.read_text().splitlines()
+    rows, bad = [], []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(parse_row(len(rows), line))
+        except ValueError as exc:
+            bad.append(BadRow(number, line, str(exc)))
+    return rows, bad
+
+
+def task_rows(spec: str, seed: int, held_out: int) -> list[Row]:
+    """The held-out split of a task, as the run that trained on the rest of it split it."""
+    _, problems = load_task(spec).split(seed, held_out)
+    return [Row(i, p.prompt, p.answer, dict(p.metadata)) for i, p in enumerate(problems)]
+
+
+def file_rows(path: str, what: str) -> list[Row]:
+    """Usable rows of a file, ConfigError when there are none; bad rows are named on stderr and skipped."""
+    try:
+        rows, bad = read_rows(path)
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: {exc.strerror or exc}") from None
+    except Exception as exc:  # pyarrow: not a Parquet file, a broken one
+        raise ConfigError(f"{what} {path}: {type(exc).__name__}: {exc}") from None
+    if bad:
+        print(f"asyncrl: {what} {path}: {len(bad)} bad rows skipped ({bad[0]}, ...)", file=sys.stderr)
+    if not rows:
+        raise ConfigError(f"{what} {path} has no usable row")
+    return rows
+
+
+def rows_for_config(config: RunConfig) -> list[Row] | None:
+    """A run's evaluation set: data.eval_source, else the task's held-out split for the task's own rows,
+    else None (a dataset file with no eval_source has nothing held out)."""
+    if config.data.eval_source:
+        rows = file_rows(config.data.eval_source, "data.eval_source")
+    elif config.data.source == "builtin":
+        rows = task_rows(config.data.task, config.seed, config.data.held_out)
+    else:
+        return None
+    return rows[: config.eval.max_rows] if config.eval.max_rows else rows
+
+
+NO_EVAL_SET = (
+    "asyncrl: no evaluation set (data.source is a file and data.eval_source is empty): base and final accuracy "
+    "stay null; add data.eval_source=held_out.jsonl (prompt/answer rows, JSONL or Parquet) to measure them"
+)
+
+
+# ---- the evaluator ----
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    k: int = 0  # samples per prompt beside the greedy completion
+    temperature: float = 1.0  # of the k samples
+    max_new_tokens: int = 16
+    template: str = "raw"  # data.template: 'raw' or 'chat'
+    system_prompt: str = ""
+    seed: int = 0  # sampling
+    max_batch: int = 64  # sequences the engine decodes together
+
+
+@dataclass
+class EvalResult:
+    summary: dict  # `summarise`: n, k, greedy_accuracy, pass_at_1, pass_at_k, maj_at_k, length_p50, ...
+    rows: list[dict] = field(default_factory=list)  # one per row: completions, scores, answers, lengths, errors
+
+
+Scorer = Callable[[Row, str], tuple[float, str, str]]  # (score, answer key, error or "")
+
+
+def make_scorer(reward: str, task: str) -> Scorer:
+    """The run's verifier and answer key as one call that never raises: a failure scores 0 with its error."""
+    if os.getcwd() not in sys.path:  # as for the run's workers (`python -m`): reward modules beside you import
+        sys.path.insert(0, os.getcwd())
+    try:
+        verifier, key = functions.load(reward, task), functions.answer_key(reward, task)
+    except Exception as exc:  # a user's module that fails to import is as unusable as a missing one
+        raise ConfigError(f"reward {reward!r}: {exc if isinstance(exc, ValueError) else repr(exc)}") from None
+
+    def score(row: Row, completion: str) -> tuple[float, str, str]:
+        try:
+            answer = key(completion)
+        except Exception:
+            answer = ""  # no answer to vote for; the verifier still decides the score
+        try:
+            value, _ = functions.normalise(verifier(row.prompt, completion, {**row.metadata, "answer": row.answer}))
+        except Exception as exc:
+            return 0.0, answer, f"{type(exc).__name__}: {exc}"
+        return value, answer, ""
+
+    return score
 
 
 class Evaluator:
-    """The built-in task's held-out problems, scored for any weight version of the run."""
+    """Rows scored for a model as loaded or for any weight version: greedy, plus k samples when k > 0."""
 
-    def __init__(self, model_path: str, rows: list[dict[str, str]], max_new_tokens: int, task: str):
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.rows, self.max_new_tokens, self.score = rows, max_new_tokens, load_task(task).score
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        rows: list[Row],
+        scorer: Scorer,
+        settings: EvalSettings,
+    ):
+        self.model, self.tokenizer, self.rows, self.score, self.settings = model, tokenizer, rows, scorer, settings
 
     @classmethod
-    def for_config(cls, config: RunConfig) -> Evaluator | None:
-        """None when the dataset has no held-out split (only the built-in task has one)."""
-        if config.data.source != "builtin":
+    def for_config(cls, config: RunConfig, rows: list[Row] | None = None) -> Evaluator | None:
+        """The run's evaluator (`rows`, else `rows_for_config`; eval.*, the run's reward and template);
+        None without an evaluation set."""
+        rows = rows_for_config(config) if rows is None else rows
+        if rows is None:
             return None
-        _, held_out = load_task(config.data.task).split(config.seed, config.data.held_out)
-        rows = [{"prompt": p.prompt, "answer": p.answer} for p in held_out]
-        return cls(config.model.path, rows, config.rollout.max_new_tokens, config.data.task)
+        settings = EvalSettings(
+            k=config.eval.k,
+            temperature=config.eval.temperature,
+            max_new_tokens=config.rollout.max_new_tokens,
+            template=config.data.template,
+            system_prompt=config.data.system_prompt,
+            seed=config.seed,
+            max_batch=config.rollout.max_batch,
+        )
+        # the launcher's own process shares the cores with the workers: as few threads as a rollout worker
+        # (tiny matmuls on more threads than free cores spin: 15x slower measured on 2 busy cores)
+        torch.set_num_threads(config.rollout.threads)
+        model = load_causal_lm(config.model.path, config.model.dtype, config.model.device)
+        tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        return cls(model, tokenizer, rows, make_scorer(config.data.reward, config.data.task), settings)
 
     def accuracy(self, weights: Path | None = None) -> float | None:
-        """Accuracy of `weights` (a version file), or of the model as loaded; None if the file is gone."""
+        """Greedy accuracy of `weights` (a version file), or of the model as loaded; None if the file is gone."""
+        result = self.evaluate(weights)
+        return None if result is None else result.summary["greedy_accuracy"]
+
+    def evaluate(self, weights: Path | None = None, progress: bool = False) -> EvalResult | None:
+        """Every row scored under `weights` (a version file), or the model as loaded; None if the file is gone."""
         if weights is not None:
             try:
                 load_into(self.model, read_version(weights))
-            except FileNotFoundError:
+            except FileNotFoundError:  # the run keeps only its newest versions
                 return None
-        return greedy_accuracy(self.model, self.tokenizer, self.rows, self.score, self.max_new_tokens)
+        s = self.settings
+        greedy_params = SamplingParams(temperature=0.0, max_new_tokens=s.max_new_tokens, stop_token_ids=self._stop())
+        sample_params = SamplingParams(s.temperature, max_new_tokens=s.max_new_tokens, stop_token_ids=self._stop())
+        engine = Engine(self.model, max_batch=s.max_batch, seed=s.seed)
+        prompts, refused = self._prompts(engine, greedy_params)
+        valid = [i for i, ids in enumerate(prompts) if ids is not None]
+        with tqdm(total=len(valid) * (s.k + 1), desc="eval", unit="seq", disable=not progress) as bar:
+            tick = lambda done: bar.update(len(done))  # noqa: E731
+            greedy = generate_all(engine, [prompts[i] for i in valid], greedy_params, tick)
+            sampled = generate_all(engine, [prompts[i] for i in valid for _ in range(s.k)], sample_params, tick)
+        results: list[dict] = [{} for _ in self.rows]
+        for i, error in refused.items():
+            results[i] = self._refused(self.rows[i], error)
+        for j, i in enumerate(valid):
+            results[i] = self._row(self.rows[i], greedy[j], sampled[j * s.k : (j + 1) * s.k])
+        return EvalResult(summarise(results, s.k, s.temperature), results)
+
+    def _stop(self) -> tuple[int, ...]:
+        eos = self.tokenizer.eos_token_id
+        return () if eos is None else (eos,)
+
+    def _prompts(self, engine: Engine, params: SamplingParams) -> tuple[list[list[int] | None], dict[int, str]]:
+        """Each row's prompt ids, None where the engine cannot take it (too long for the model, empty)."""
+        s, prompts, refused = self.settings, [], {}
+        for i, row in enumerate(self.rows):
+            ids = encode_prompt(self.tokenizer, row.prompt, s.template, s.system_prompt)
+            try:
+                check_request(ids, params, engine.max_len, engine.vocab)
+            except ValueError as exc:
+                ids, refused[i] = None, f"prompt refused: {exc}"
+            prompts.append(ids)
+        return prompts, refused
+
+    def _completion(self, row: Row, seq) -> tuple[str, float, str, int, bool, str]:
+        """(text, score, answer key, length in tokens, truncated, error) of one finished sequence."""
+        text = self.tokenizer.decode(seq.token_ids, skip_special_tokens=True)
+        score, answer, error = self.score(row, text)
+        return text, score, answer, len(seq.token_ids), seq.finish_reason == "length", error
+
+    def _row(self, row: Row, greedy, samples: list) -> dict:
+        """One row's output: the greedy completion, the k samples, their scores and answers, the vote."""
+        first, *rest = [self._completion(row, seq) for seq in (greedy, *samples)]
+        errors = [f"{'greedy' if j == 0 else f'sample {j - 1}'}: {c[5]}" for j, c in enumerate([first, *rest]) if c[5]]
+        result = {
+            "index": row.index,
+            "prompt": row.prompt,
+            "answer": row.answer,
+            "greedy_completion": first[0],
+            "greedy_score": first[1],
+            "greedy_answer": first[2],
+            "greedy_length": first[3],
+            "sample_completions": [c[0] for c in rest],
+            "sample_scores": [c[1] for c in rest],
+            "sample_answers": [c[2] for c in rest],
+            "sample_lengths": [c[3] for c in rest],
+            "correct": sum(correct(c[1]) for c in rest),
+            "majority_answer": None,
+            "majority_score": None,
+            "truncated": sum(c[4] for c in (first, *rest)),
+            "errors": errors,
+        }
+        if rest:
+            vote = majority([c[2] for c in rest])
+            result["majority_answer"], result["majority_score"] = rest[vote][2], rest[vote][1]
+        return result
+
+    def _refused(self, row: Row, error: str) -> dict:
+        """A row the engine could not take: every completion empty and wrong, with the reason."""
+        k = self.settings.k
+        return {
+            "index": row.index,
+            "prompt": row.prompt,
+            "answer": row.answer,
+            "greedy_completion": "",
+            "greedy_score": 0.0,
+            "greedy_answer": "",
+            "greedy_length": 0,
+            "sample_completions": [""] * k,
+            "sample_scores": [0.0] * k,
+            "sample_answers": [""] * k,
+            "sample_lengths": [0] * k,
+            "correct": 0,
+            "majority_answer": "" if k else None,
+            "majority_score": 0.0 if k else None,
+            "truncated": 0,
+            "errors": [error],
+        }
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """Per-row results as JSONL (written aside, then renamed: a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "w") as out:
+        for row in rows:
+            out.write(json.dumps(row) + "\n")
+    partial.replace(path)

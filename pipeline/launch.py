@@ -113,6 +113,26 @@ def check_dataset(config: RunConfig) -> None:
     if not rows:
         reasons = "; ".join(str(row) for row in bad[:3])
         raise ConfigError(f"data.source {config.data.source} has no usable row{': ' + reasons if reasons else ''}")
+    check_template(config)
+
+
+def check_template(config: RunConfig) -> None:
+    """Fail before anything starts when data.template=chat has no chat template to apply: the demo model's
+    tokenizer has none, and a tokenizer without one (or whose template never opens the assistant's turn)
+    would otherwise stop the prompt source only once the run is up."""
+    if config.data.template != "chat":
+        return
+    if not config.model.path:
+        raise ConfigError("data.template=chat needs model.path: the demo model's tokenizer has no chat template")
+    from transformers import AutoTokenizer
+
+    from workers.models import check_chat_template
+
+    try:
+        check_chat_template(AutoTokenizer.from_pretrained(config.model.path))
+    except (OSError, ValueError) as exc:
+        reason = next(iter(str(exc).splitlines()), type(exc).__name__)
+        raise ConfigError(f"model.path {config.model.path}: {reason}") from None
 
 
 def check_wandb(config: RunConfig) -> None:
@@ -170,12 +190,14 @@ def export_topics_quietly(config: RunConfig, run_dir: Path) -> None:
 
 def run_pipeline(config: RunConfig, progress: bool = True) -> int:
     from pipeline import monitor
-    from pipeline.evaluate import Evaluator
+    from pipeline.evaluate import NO_EVAL_SET, Evaluator, rows_for_config
+    from pipeline.export_model import export_final
     from topics.broker import EmbeddedBroker
 
     started = time.time()
     check_dataset(config)
     check_wandb(config)
+    eval_rows = rows_for_config(config)  # before anything starts: a missing data.eval_source is a config error
     config = new_run_dir(config)
     run_dir = runtime.run_dir(config)
     print(f"asyncrl: run directory {run_dir}", file=sys.stderr)
@@ -189,8 +211,11 @@ def run_pipeline(config: RunConfig, progress: bool = True) -> int:
                 config, broker=msgspec.structs.replace(config.broker, bootstrap=broker.bootstrap)
             )
         config, config_path = prepare(config, progress)
-        evaluator = Evaluator.for_config(config)
-        base_accuracy = evaluator.accuracy() if evaluator else None
+        evaluator = Evaluator.for_config(config, eval_rows)
+        if evaluator is None:
+            print(NO_EVAL_SET, file=sys.stderr)
+        base = monitor.evaluate_version(config, run_dir, evaluator, 0) if evaluator else None
+        base_accuracy = base["heldout_accuracy"] if base else None
         roles = ["trainer", "reward", "prompts"] + ["rollout"] * config.rollout.workers
         for index, role in enumerate(roles):
             ranks = config.trainer.ranks if role == "trainer" else 1
@@ -206,5 +231,6 @@ def run_pipeline(config: RunConfig, progress: bool = True) -> int:
             export_topics_quietly(config, run_dir)  # the broker keeps them in memory only
             broker.stop()
     summary = monitor.finish(config, run_dir, evaluator, base_accuracy, outcome, started, wandb_stream)
+    summary = export_final(run_dir, summary)  # <run dir>/final-model, as summary.json's exported_model
     print(json.dumps(summary, indent=2))
     return 0 if outcome == "finished" else 1

@@ -1,9 +1,11 @@
 """Following a running pipeline: progress bar, evaluation, restarts; then the run's report.
 
 The trainer's lines in `metrics.jsonl` drive everything: the bar shows them, every
-`eval.every` steps the held-out accuracy of that version is measured and appended
-as an `eval` line, and the report (summary.json, curves.png, TensorBoard) is built
-from the file alone, so it can be rebuilt for any run directory. With
+`eval.every` steps the evaluator (`pipeline.evaluate`) scores that weight version here,
+in the launcher, while the trainer goes on, and appends an `eval` line tagged with the
+version (greedy accuracy as `heldout_accuracy`, pass@1/pass@k/maj@k when eval.k > 0; the
+rows under `eval/v<version>.jsonl`), and the report (summary.json, curves.png,
+TensorBoard) is built from the file alone, so it can be rebuilt for any run directory. With
 `telemetry.wandb_project` set, every line also goes to W&B as it is written.
 """
 
@@ -17,12 +19,13 @@ import msgspec
 from tqdm import tqdm
 
 from pipeline.config import ConfigError
-from pipeline.evaluate import Evaluator
+from pipeline.evaluate import Evaluator, percentile, write_rows
 from schemas.config import RunConfig
 from workers import runtime
 from workers.weights import version_path
 
 MAX_RESTARTS = 3  # per worker; a worker that keeps failing ends the run as "failed"
+EVAL_KEYS = ("n", "k", "pass_at_1", "pass_at_k", "maj_at_k", "length_p50", "length_p90")  # beside the accuracy
 
 
 def read_metrics(path: Path, offset: int = 0) -> tuple[list[dict], int]:
@@ -83,6 +86,21 @@ class WandbStream:
         wandb.teardown()  # run.finish() may return before wandb-core has written the run's log; this waits for it
 
 
+def evaluate_version(config: RunConfig, run_dir: Path, evaluator: Evaluator, version: int) -> dict | None:
+    """Score weight version `version` (0: the model as loaded, before training) and append its `eval` line to
+    metrics.jsonl, its rows to eval/v<version>.jsonl; the line, or None when the version's file is gone."""
+    weights = version_path(runtime.weights_dir(config), version) if version else None
+    result = evaluator.evaluate(weights)
+    if result is None:
+        return None
+    summary = result.summary
+    line = {"step": version, "version": version, "heldout_accuracy": summary["greedy_accuracy"]}
+    line |= {key: summary[key] for key in EVAL_KEYS if summary[key] is not None}
+    runtime.MetricsWriter(run_dir / "metrics.jsonl", "eval").write(**line)
+    write_rows(run_dir / "eval" / f"v{version:06d}.jsonl", result.rows)
+    return line
+
+
 def restart_exited(workers: list, codes: list[int | None], bar: tqdm) -> bool:
     """Restart every worker that ended before its time; False once one has used up its restarts."""
     for worker, code in zip(workers, codes, strict=True):
@@ -111,10 +129,7 @@ def follow(
 ) -> str:
     """Until the trainer's last step: 'finished', 'interrupted' (Ctrl-C), 'timeout' or 'failed'."""
     metrics_path = run_dir / "metrics.jsonl"
-    writer = runtime.MetricsWriter(metrics_path, "eval")
-    if base_accuracy is not None:
-        writer.write(step=0, heldout_accuracy=base_accuracy)
-    accuracy = base_accuracy
+    accuracy = base_accuracy  # the base line itself was written by `evaluate_version(..., 0)`
     bar = tqdm(total=config.trainer.steps, desc="asyncrl", unit="step", disable=not progress, dynamic_ncols=True)
     offset, step = 0, 0
     try:
@@ -128,10 +143,9 @@ def follow(
                 bar.update(max(line["step"] - step, 0))  # a restarted trainer repeats steps after its checkpoint
                 step = line["step"]
                 if evaluator and config.eval.every and step % config.eval.every == 0 and step < config.trainer.steps:
-                    measured = evaluator.accuracy(version_path(runtime.weights_dir(config), step))
+                    measured = evaluate_version(config, run_dir, evaluator, step)
                     if measured is not None:
-                        accuracy = measured
-                        writer.write(step=step, heldout_accuracy=accuracy)
+                        accuracy = measured["heldout_accuracy"]
                 bar.set_postfix(
                     reward=f"{line['reward_mean']:.2f}",
                     acc="-" if accuracy is None else f"{accuracy:.2f}",
@@ -156,6 +170,25 @@ def follow(
         bar.close()
 
 
+def sampled_eval_summary(base: dict | None, final: dict | None) -> dict:
+    """With eval.k > 0: pass@1, pass@k and maj@k of the base model and of the last version, and k."""
+    found = {"eval_k": (final or base or {}).get("k", 0)}
+    for name, line in (("base", base), ("final", final)):
+        for key in ("pass_at_1", "pass_at_k", "maj_at_k"):
+            found[f"{name}_{key}"] = line.get(key) if line else None
+    return found if found["eval_k"] else {}
+
+
+def completion_length_summary(steps: list[dict]) -> dict[str, float]:
+    """p50, p90 and max of the completion lengths (tokens) of every trajectory the trainer trained."""
+    lengths = [n for line in steps for n in line.get("completion_lengths", ())]
+    return {
+        "completion_len_p50": percentile(lengths, 50),
+        "completion_len_p90": percentile(lengths, 90),
+        "completion_len_max": max(lengths, default=0),
+    }
+
+
 def finish(
     config: RunConfig,
     run_dir: Path,
@@ -169,23 +202,21 @@ def finish(
     lines, _ = read_metrics(run_dir / "metrics.jsonl")
     steps = [l for l in lines if l["source"] == "trainer"]
     last = steps[-1] if steps else {}
-    final_accuracy = None
-    if evaluator and last:
-        final_accuracy = evaluator.accuracy(version_path(runtime.weights_dir(config), last["step"]))
-        if final_accuracy is not None:
-            runtime.MetricsWriter(run_dir / "metrics.jsonl", "eval").write(
-                step=last["step"], heldout_accuracy=final_accuracy
-            )
+    final = evaluate_version(config, run_dir, evaluator, last["step"]) if evaluator and last else None
+    base = next((l for l in lines if l["source"] == "eval" and l.get("version") == 0), None)
     summary = {
         "run": config.name,
         "outcome": outcome,
         "base_accuracy": base_accuracy,
-        "final_accuracy": final_accuracy,
+        "final_accuracy": final["heldout_accuracy"] if final else None,
+        **sampled_eval_summary(base, final),
         "steps": last.get("step", 0),
         "max_staleness": config.trainer.max_staleness,
         "max_staleness_trained": last.get("max_staleness_trained", 0),
         "trained_tokens": last.get("trained_tokens", 0),
+        "trained_trajectories": last.get("trained_trajectories", 0),
         "interrupted_trajectories": last.get("interrupted_trajectories", 0),
+        **completion_length_summary(steps),
         "mixed_version_trajectories": last.get("mixed_version_trajectories", 0),
         "groups_consumed": last.get("groups_consumed", 0),
         "groups_dropped": last.get("groups_dropped", 0),

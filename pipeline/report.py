@@ -25,17 +25,14 @@ def _rolling(values: list[float], window: int = 20) -> list[float]:
 
 
 def plot_curves(lines: list[dict], path: Path) -> None:
-    """Reward, held-out accuracy and staleness per step, one panel each."""
+    """Reward, evaluation (greedy accuracy; pass@1, pass@k and maj@k when sampled) and staleness per step."""
     fig, (reward_ax, accuracy_ax, stale_ax) = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
     steps, rewards = _series(lines, "trainer", "reward_mean")
     reward_ax.plot(steps, rewards, alpha=0.3, label="per step")
     reward_ax.plot(steps, _rolling(rewards), label="rolling mean (20)")
     reward_ax.set_ylabel("training reward")
     reward_ax.legend(loc="lower right")
-    eval_steps, accuracy = _series(lines, "eval", "heldout_accuracy")
-    accuracy_ax.plot(eval_steps, accuracy, marker="o")
-    accuracy_ax.set_ylabel("held-out greedy accuracy")
-    accuracy_ax.set_ylim(0, 1)
+    plot_eval(accuracy_ax, lines)
     for key, label in (("staleness_mean", "mean"), ("staleness_max", "max")):
         stale_ax.plot(*_series(lines, "trainer", key), label=label)
     stale_ax.set_ylabel("staleness (versions)")
@@ -44,6 +41,24 @@ def plot_curves(lines: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+EVAL_SERIES = (("heldout_accuracy", "greedy"), ("pass_at_1", "pass@1"), ("maj_at_k", "maj@k"), ("pass_at_k", "pass@k"))
+
+
+def plot_eval(ax, lines: list[dict]) -> None:
+    """Every evaluated version's scores (eval lines' step is the version scored)."""
+    k = next((l["k"] for l in lines if l["source"] == "eval" and l.get("k")), 0)
+    for key, label in EVAL_SERIES:
+        steps, values = _series(lines, "eval", key)
+        if steps:
+            ax.plot(steps, values, marker="o", label=label if key == "heldout_accuracy" else f"{label} (k={k})")
+    ax.set_ylabel("evaluation accuracy")
+    ax.set_ylim(0, 1)
+    if not any(l["source"] == "eval" for l in lines):
+        ax.text(0.5, 0.5, "no evaluation set (data.eval_source)", transform=ax.transAxes, ha="center", va="center")
+    if k:
+        ax.legend(loc="upper left", ncols=4)
 
 
 def write_tensorboard(lines: list[dict], directory: Path) -> None:

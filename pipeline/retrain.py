@@ -87,8 +87,12 @@ def retrain(
         raise RetrainError(f"steps {missing} have no manifest: cannot rebuild from step {first - 1}")
     for s in range(first, step + 1):
         stats = trainer.train(groups_of(by_step[s], scored))
-    weights = trainer.commands.gather_weights()
-    diffs = {name: (weights[name] - tensor).abs().max().item() for name, tensor in expected.items() if name in weights}
+    weights = trainer.commands.gather_weights()  # float32 masters; a version file holds them cast to model.dtype
+    diffs = {
+        name: (weights[name].to(tensor.dtype).float() - tensor.float()).abs().max().item()
+        for name, tensor in expected.items()
+        if name in weights
+    }
     return Retrained(step, first - 1, len(by_step[step].trajectory_ids), stats, str(compared_with), diffs)
 
 

@@ -22,6 +22,7 @@ from schemas.messages import DeadLetter, PromptGroup, WeightVersion
 from topics.tracing import trace_headers
 from topics.transport import Outbox, Transport, WeightsFollower
 from workers import runtime
+from workers.models import check_chat_template, encode_prompt
 from workers.staleness import may_release
 from workers.tasks import load_task
 
@@ -118,6 +119,8 @@ class Source:
         self.config, self.cursor = config, Cursor.after(rows, config.seed, released)
         self.released = len({g.prompt_id for g in released})
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        if config.data.template == "chat":  # once here rather than a confusing failure per prompt
+            check_chat_template(self.tokenizer)
 
     @property
     def exhausted(self) -> bool:
@@ -136,6 +139,7 @@ class Source:
     def next_group(self, version: WeightVersion) -> PromptGroup:
         row, epoch = self.cursor.take()
         self.released += 1
+        data = self.config.data
         return PromptGroup(
             prompt_id=f"e{epoch}-r{row.index}",
             row_index=row.index,
@@ -143,10 +147,10 @@ class Source:
             release_index=self.released - 1,
             released_at_version=version.version,
             prompt_text=row.prompt,
-            prompt_tokens=self.tokenizer(row.prompt)["input_ids"],
+            prompt_tokens=encode_prompt(self.tokenizer, row.prompt, data.template, data.system_prompt),
             answer=row.answer,
             metadata=row.metadata,
-            n_samples=self.config.data.n_samples,
+            n_samples=data.n_samples,
         )
 
 

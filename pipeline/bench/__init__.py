@@ -9,6 +9,8 @@ import os
 import platform
 from pathlib import Path
 
+import msgspec
+
 from schemas.config import RunConfig
 
 
@@ -36,6 +38,63 @@ def run_to_end(config: RunConfig, progress: bool) -> Path | None:
     if run_pipeline(config, progress=progress) != 0:
         return None
     return (Path(config.runs_dir) / "latest").resolve()  # new_run_dir links the run it made as `latest`
+
+
+def task_config(task: str, overrides: list[str]) -> RunConfig:
+    """`task`'s shipped config (pipeline/configs/<task>.yaml, or a YAML file given by path), then `overrides`."""
+    from pipeline.cli import config_file
+    from pipeline.config import load_config
+
+    return load_config(config_file(task), overrides)
+
+
+def task_label(task: str) -> str:
+    """`--task` as a file-name part: the shipped config's name, or a YAML file's stem."""
+    return Path(task).stem if task.endswith((".yaml", ".yml")) else task
+
+
+def build_demo_model(config: RunConfig, out_dir: Path, progress: bool) -> str:
+    """The task's demo model for `config`'s seed, built with the arguments `asyncrl run` (launch.prepare) gives it."""
+    from pipeline.config import resolve
+    from pipeline.demo_model import prepare_demo_model
+
+    model_dir = prepare_demo_model(
+        out_dir,
+        config.data.task,
+        seed=config.seed,
+        task_seed=config.seed,
+        steps=resolve(config).model.warmup_steps,
+        progress=progress,
+        held_out=config.data.held_out,
+    )
+    return str(model_dir)
+
+
+def with_model(config: RunConfig, path: str) -> RunConfig:
+    return msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=path))
+
+
+def cores_given(config: RunConfig, cpu_count: int | None, usable_cores: int) -> dict:
+    """The CPU each role is given (processes x torch threads) and what the machine has: a run's demand vs supply."""
+    roles = {
+        "rollout": {"processes": config.rollout.workers, "threads": config.rollout.threads},
+        "trainer": {"processes": config.trainer.ranks, "threads": config.trainer.threads},
+        "reward": {"processes": config.reward.processes, "threads": 1},  # scoring processes, one thread each
+    }
+    threads = sum(role["processes"] * role["threads"] for role in roles.values())
+    return {**roles, "threads_total": threads, "usable_cores": usable_cores, "cpu_count": cpu_count}
+
+
+def cores_line(cores: dict) -> str:
+    """`cores_given` in one line."""
+    roles = ", ".join(
+        f"{role} {cores[role]['processes']} process(es) x {cores[role]['threads']} thread(s)"
+        for role in ("rollout", "trainer", "reward")
+    )
+    return (
+        f"cores given: {roles}; {cores['threads_total']} threads in all "
+        f"on {cores['usable_cores']} usable cores (machine: {cores['cpu_count']})"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,24 +1,27 @@
 """`asyncrl bench pipeline`: the whole pipeline, synchronous against asynchronous, back to back.
 
-Three runs of `asyncrl run` on the same model, data and machine, differing only in
+Three runs of `asyncrl run` on the same task, model, data and machine, differing only in
 the staleness bound and interruption:
 
 - sync: eta = 0, the synchronous baseline (generation and training alternate);
 - async: eta = 4 with interruption (the default asyncrl setting);
 - async_no_interrupt: eta = 4, in-flight sequences finish on the old weights first.
 
-The model is the demo-sized Qwen2 without warm-up: it rarely samples its end token
-early, so output lengths are long-tailed (geometric, capped at max_new_tokens), as
-reasoning traces are. Effective training throughput is the completion tokens consumed
-by PPO updates per second after the first `--warmup-steps` steps; generation
-throughput is the tokens the rollout worker emitted per second over the same window.
-Where the time goes: the trainer's share of the window spent in its steps, and the
-cores each role used over the window (sampled from /proc, `cpu_cores`).
+Each run's config is the shipped config of `--task` (pipeline/configs/<task>.yaml; default
+`chain`, whose worked solutions are long-tailed, ~16 to ~250 tokens, as reasoning traces are)
+plus the bench's own settings. The model is the task's demo model, warmed up as `asyncrl run`
+warms it for `--seed`, built once and shared by the three runs; outputs end at its end token
+or at `--max-new-tokens` (default: the task's). Effective training throughput is the completion
+tokens consumed by PPO updates per second after the first `--warmup-steps` steps; generation
+throughput is the tokens the rollout worker emitted per second over the same window. Where
+the time goes: the trainer's share of the window spent in its steps, the cores each role was
+given (processes x threads, `cores_given`, against the machine's) and the cores each used over
+the window (sampled from /proc, `cpu_cores`).
 
 The learning rate is tiny by default (`--lr`): the training compute is the same, but
 the policy stays put, so every run generates the same length distribution. With a
 real learning rate the lengths drift during the run, and differently per variant
-(measured at lr 1e-4: 18 -> 12 tokens per completion over 60 sync steps, 18 -> 7
+(measured on arith at lr 1e-4: 18 -> 12 tokens per completion over 60 sync steps, 18 -> 7
 async), which would mix learning dynamics into a throughput ratio.
 """
 
@@ -26,12 +29,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
-from pipeline.bench import machine, run_to_end
+from pipeline.bench import (
+    build_demo_model,
+    cores_given,
+    cores_line,
+    machine,
+    run_to_end,
+    task_config,
+    task_label,
+    with_model,
+)
 from pipeline.bench.cpu import CpuSampler
-from pipeline.config import load_config
+from pipeline.config import resolve
 from pipeline.monitor import read_metrics
+from schemas.config import RunConfig
 
 VARIANTS = {
     "sync": ["trainer.max_staleness=0", "rollout.interrupt=true"],
@@ -66,15 +80,17 @@ def window_rates(lines: list[dict], warmup_steps: int) -> dict:
     }
 
 
-def run(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    runs_dir = out.parent / "pipeline-runs"
+def out_path(args: argparse.Namespace) -> Path:
+    return Path(args.out or f"runs/bench/pipeline-{task_label(args.task)}.json")
+
+
+def variant_configs(args: argparse.Namespace) -> tuple[dict[str, RunConfig], int]:
+    """Every variant's config (the task's shipped one, the bench's settings, the variant's), and the
+    output length limit they share: `--max-new-tokens`, else the task's (its config's, resolved)."""
     common = [
-        f"runs_dir={runs_dir}",
+        f"runs_dir={out_path(args).parent / 'pipeline-runs'}",
         f"trainer.steps={args.steps}",
-        "model.warmup_steps=0",
         "eval.every=0",
-        f"rollout.max_new_tokens={args.max_new_tokens}",
         f"trainer.batch_groups={args.batch_groups}",
         f"data.n_samples={args.n_samples}",
         f"seed={args.seed}",
@@ -82,21 +98,52 @@ def run(args: argparse.Namespace) -> int:
         f"trainer.optim.lr={args.lr}",
         *args.overrides,
     ]
+    max_new_tokens = args.max_new_tokens or resolve(task_config(args.task, common)).rollout.max_new_tokens
+    common.append(f"rollout.max_new_tokens={max_new_tokens}")
+    configs = {
+        name: task_config(args.task, [*common, *overrides, f"name=bench-{name}"])
+        for name, overrides in VARIANTS.items()
+    }
+    return configs, max_new_tokens
+
+
+def shared_model(configs: dict[str, RunConfig], progress: bool) -> dict[str, RunConfig]:
+    """The configs with one demo model, built for the task and seed, shared by every run (none if model.path is set)."""
+    first = next(iter(configs.values()))
+    if first.model.path:
+        return configs
+    task = first.data.task.replace("/", "_").replace(":", "_")  # a plug-in's path:Class makes one folder name
+    where = Path(first.runs_dir) / f"models-{time.strftime('%Y%m%d-%H%M%S')}" / f"{task}-seed{first.seed}"
+    path = build_demo_model(first, where, progress)
+    return {name: with_model(config, path) for name, config in configs.items()}
+
+
+def measure_variants(configs: dict[str, RunConfig], args: argparse.Namespace) -> dict[str, dict] | None:
+    """Each variant run to the end, with its rates and the cores each role used; None if one did not finish."""
     results = {}
-    for name, overrides in VARIANTS.items():
-        print(f"== {name}: {' '.join(overrides)}", flush=True)
-        config = load_config(None, [*common, *overrides, f"name=bench-{name}"])
+    for name, config in configs.items():
+        print(f"== {name}: {' '.join(VARIANTS[name])}", flush=True)
         with CpuSampler() as cpu:
             run_dir = run_to_end(config, progress=not args.no_progress)
         if run_dir is None:
             print(f"asyncrl: the {name} run did not finish", flush=True)
-            return 1
+            return None
         lines, _ = read_metrics(run_dir / "metrics.jsonl")
         rates = window_rates(lines, args.warmup_steps)
         results[name] = {"run_dir": str(run_dir), **rates, "cpu_cores": cpu.cores(*rates.pop("window"))}
         results[name]["mean_completion_tokens"] = round(
             results[name]["trained_tokens"] / (args.steps * args.batch_groups * args.n_samples), 1
         )
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    configs, max_new_tokens = variant_configs(args)
+    configs = shared_model(configs, progress=not args.no_progress)
+    results = measure_variants(configs, args)
+    if results is None:
+        return 1
+    config, info = configs["async"], machine()
     report = {
         "async_over_sync": round(results["async"]["trained_tokens_per_s"] / results["sync"]["trained_tokens_per_s"], 3),
         "interrupt_on_over_off": ratio(
@@ -105,16 +152,24 @@ def run(args: argparse.Namespace) -> int:
         "interrupt_on_over_off_trained": round(
             results["async"]["trained_tokens_per_s"] / results["async_no_interrupt"]["trained_tokens_per_s"], 3
         ),
+        "cores_given": cores_given(config, info["cpu_count"], info["usable_cores"]),
         "runs": results,
         "settings": {
             **vars(args),
+            "out": str(out_path(args)),
+            "max_new_tokens": max_new_tokens,
+            "task": config.data.task,
+            "task_config": args.task,
             "variants": VARIANTS,
-            "model": "demo-sized Qwen2 (2.2M), no warm-up",
-            "workload": "builtin task prompts; outputs end at a sampled end token (long-tailed) or at max_new_tokens",
+            "model": f"the {config.data.task} task's demo model ({config.model.path}), warmed up as `asyncrl run` "
+            "does for the seed, shared by the three runs",
+            "workload": f"the {config.data.task} task's own prompts; outputs end at the model's end token "
+            "or at max_new_tokens",
         },
-        "machine": machine(),
+        "machine": info,
     }
     print(table(report))
+    out = out_path(args)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
@@ -126,9 +181,12 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def table(report: dict) -> str:
+    s = report["settings"]
     lines = [
+        f"task {s['task']}: {s['steps']} steps of {s['batch_groups']} x {s['n_samples']} samples, "
+        f"outputs up to {s['max_new_tokens']} tokens, measured after step {s['warmup_steps']}",
         f"{'run':<20} {'trained tok/s':>13} {'steps/s':>8} {'generated tok/s':>15} {'staleness':>9} "
-        f"{'interrupted':>11} {'trainer busy':>12}"
+        f"{'interrupted':>11} {'trainer busy':>12}",
     ]
     for name, r in report["runs"].items():
         lines.append(
@@ -136,6 +194,7 @@ def table(report: dict) -> str:
             f"{r['generated_tokens_per_s'] or 0:>15.1f} {r['staleness_mean']:>9.2f} "
             f"{r['interrupted_trajectories']:>11} {r['trainer_busy']:>12.0%}"
         )
+    lines.append(cores_line(report["cores_given"]))
     for name, r in report["runs"].items():
         cores = ", ".join(f"{role} {used:.2f}" for role, used in r["cpu_cores"].items())
         lines.append(f"{name} cores used: {cores} (total {sum(r['cpu_cores'].values()):.2f})")

@@ -1,18 +1,22 @@
 """`asyncrl bench staleness`: held-out accuracy against the staleness bound, naive vs decoupled PPO.
 
-The paper's Table 2 / Figure 5 on the built-in task: the demo (configs/arith.yaml)
-trained with eta in {0, 1, 2, 4, 8} under both objectives, each run a whole
-`asyncrl run`. Naive PPO clips the ratio against the behaviour policy, which lags
-the trainer by up to eta versions; decoupled PPO clips against pi_prox (the weights
-when the batch arrives) and corrects for the behaviour policy with an importance
-weight, so it should keep its accuracy as eta grows where naive PPO loses some.
+The paper's Table 2 / Figure 5 on a task's own rows: `--task`'s shipped config
+(pipeline/configs/<task>.yaml, default `chain`, whose long-tailed chains give staleness
+more to act on than arith's 3-token answers) trained with eta in {0, 1, 2, 4, 8} under
+both objectives, each run a whole `asyncrl run` of the task's trainer.steps. Naive PPO
+clips the ratio against the behaviour policy, which lags the trainer by up to eta
+versions; decoupled PPO clips against pi_prox (the weights when the batch arrives) and
+corrects for the behaviour policy with an importance weight, so it should keep its
+accuracy as eta grows where naive PPO loses some.
 
 The warm-up model is built once per seed, exactly as `asyncrl run` builds it for
 that seed, and shared by every run of the seed: they all start from the same weights
 and differ only in eta and the objective (and in what asynchrony decides). Seeds
 differ in weights, held-out split, data order and sampling. Accuracy is greedy on the
 held-out problems every `--eval-every` steps; `tail` is the mean of the last
-TAIL_EVALS evaluations, less noisy than the final one alone.
+TAIL_EVALS evaluations, less noisy than the final one alone. Each cell (objective, eta)
+is the mean +- sample sd over the seeds of every number the table shows (the per-seed
+values are in the JSON beside them), and the gap between the objectives is paired by seed.
 """
 
 from __future__ import annotations
@@ -32,9 +36,16 @@ import msgspec
 import transformers
 from tqdm import tqdm
 
-from pipeline.bench import machine, run_to_end
-from pipeline.cli import config_file
-from pipeline.config import ConfigError, load_config, resolve
+from pipeline.bench import (
+    build_demo_model,
+    cores_given,
+    machine,
+    run_to_end,
+    task_config,
+    task_label,
+    with_model,
+)
+from pipeline.config import ConfigError
 from pipeline.monitor import read_metrics
 from schemas.config import RunConfig
 
@@ -43,16 +54,29 @@ TAIL_EVALS = 3
 PLOT_ETAS = (0, 1, 2, 4, 8)  # the colour scale, fixed so that an eta has one colour in every plot
 
 
+# Averaged over seeds per cell, each with its sample sd: every number of the table but the worst staleness.
+SPREAD_KEYS = (
+    "final_accuracy",
+    "tail_accuracy",
+    "best_accuracy",
+    "staleness_mean",
+    "clip_fraction_mean",
+    "steps_per_s",
+    "wall_seconds",
+    "groups_dropped",
+)
+
+
 @dataclass(frozen=True)
 class Plan:
     etas: tuple[int, ...]
     seeds: tuple[int, ...]
-    steps: int
+    steps: int  # 0 in FULL and QUICK: the task's trainer.steps (QUICK: half), see plan_for
 
 
-# 1,200 steps is the demo's length (~16 % -> 51-61 % at eta 4); 600 already reaches ~50 %.
-FULL = Plan(etas=(0, 1, 2, 4, 8), seeds=(0, 1, 2), steps=1200)
-QUICK = Plan(etas=(0, 4), seeds=(0,), steps=600)  # 4 runs: 21 min measured on 2 cores shared with other work
+# arith: 1,200 steps is the demo's length (~16 % -> 51-61 % at eta 4); 600 already reaches ~50 %.
+FULL = Plan(etas=(0, 1, 2, 4, 8), seeds=(0, 1, 2), steps=0)
+QUICK = Plan(etas=(0, 4), seeds=(0,), steps=0)  # arith: 4 runs of 600 steps, 21 min on 2 cores shared with other work
 
 
 @dataclass(frozen=True)
@@ -72,12 +96,14 @@ class Setting:
         ]
 
 
-def plan_for(args: argparse.Namespace) -> Plan:
+def plan_for(args: argparse.Namespace, task_steps: int) -> Plan:
+    """The grid of `args`; steps: `--steps`, else the task config's `task_steps` (`--quick`: half of them)."""
     base = QUICK if args.quick else FULL
+    default_steps = max(1, task_steps // 2) if args.quick else task_steps
     return replace(
         base,
         seeds=tuple(dict.fromkeys(args.seeds or base.seeds)),
-        steps=base.steps if args.steps is None else args.steps,
+        steps=default_steps if args.steps is None else args.steps,
     )
 
 
@@ -87,34 +113,19 @@ def grid(plan: Plan) -> list[Setting]:
     return [Setting(eta, objective, seed) for seed in plan.seeds for eta in plan.etas for objective in OBJECTIVES]
 
 
-def run_configs(plan: Plan, common: list[str]) -> dict[Setting, RunConfig]:
-    """Every run's config, all validated before anything starts."""
-    return {s: load_config(config_file(None), [*common, *s.overrides()]) for s in grid(plan)}
+def run_configs(plan: Plan, task: str, common: list[str]) -> dict[Setting, RunConfig]:
+    """Every run's config (the task's shipped one, `common`, the run's own), all validated before anything starts."""
+    return {s: task_config(task, [*common, *s.overrides()]) for s in grid(plan)}
 
 
 def build_models(configs: dict[Setting, RunConfig], models_dir: Path, progress: bool) -> dict[int, str]:
-    """The demo model once per seed, with the arguments launch.prepare would give it (none if model.path is set)."""
-    from pipeline.demo_model import prepare_demo_model
-
+    """The task's demo model once per seed, with the arguments launch.prepare would give it
+    (none if model.path is set)."""
     built: dict[int, str] = {}
     for config in configs.values():
         if not config.model.path and config.seed not in built:
-            built[config.seed] = str(
-                prepare_demo_model(
-                    models_dir / f"seed{config.seed}",
-                    config.data.task,
-                    seed=config.seed,
-                    task_seed=config.seed,
-                    steps=resolve(config).model.warmup_steps,
-                    progress=progress,
-                    held_out=config.data.held_out,
-                )
-            )
+            built[config.seed] = build_demo_model(config, models_dir / f"seed{config.seed}", progress)
     return built
-
-
-def with_model(config: RunConfig, path: str) -> RunConfig:
-    return msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=path))
 
 
 def measure(setting: Setting, summary: dict, lines: list[dict]) -> dict:
@@ -142,78 +153,135 @@ def measure(setting: Setting, summary: dict, lines: list[dict]) -> dict:
     }
 
 
+def mean_sd(values: list[float]) -> tuple[float, float | None]:
+    """Mean and sample sd (n - 1), 4 decimals; no sd from one value."""
+    sd = round(statistics.stdev(values), 4) if len(values) > 1 else None
+    return round(statistics.fmean(values), 4), sd
+
+
+def cell(objective: str, eta: int, group: list[dict]) -> dict:
+    """One objective and eta over its seeds: mean and sd of each SPREAD_KEYS number, the per-seed values, the worst
+    staleness."""
+    group = sorted(group, key=lambda r: r["seed"])
+    out: dict = {"objective": objective, "eta": eta, "seeds": [r["seed"] for r in group]}
+    for key in SPREAD_KEYS:
+        out[key], out[f"{key}_sd"] = mean_sd([r[key] for r in group])
+    out["max_staleness_trained"] = max(r["max_staleness_trained"] for r in group)
+    out["per_seed"] = {key: [r[key] for r in group] for key in SPREAD_KEYS}  # in the order of "seeds"
+    return out
+
+
 def cells(rows: list[dict]) -> list[dict]:
-    """Per objective and eta, over seeds: means, the spread of the final accuracy, the worst staleness."""
+    """Per objective and eta (naive first, eta ascending): `cell` over the seeds that ran it."""
     groups: dict[tuple[str, int], list[dict]] = defaultdict(list)
     for row in rows:
         groups[row["objective"], row["eta"]].append(row)
-    out = []
-    for (objective, eta), group in sorted(groups.items(), key=lambda item: (OBJECTIVES.index(item[0][0]), item[0][1])):
-        finals = [r["final_accuracy"] for r in group]
-        out.append(
-            {
-                "objective": objective,
-                "eta": eta,
-                "seeds": len(group),
-                **{
-                    key: round(statistics.fmean(r[key] for r in group), 4)
-                    for key in (
-                        "final_accuracy",
-                        "tail_accuracy",
-                        "best_accuracy",
-                        "clip_fraction_mean",
-                        "wall_seconds",
-                    )
-                },
-                "final_accuracy_sd": round(statistics.stdev(finals), 4) if len(finals) > 1 else None,
-                "max_staleness_trained": max(r["max_staleness_trained"] for r in group),
-                "groups_dropped": sum(r["groups_dropped"] for r in group),
-            }
-        )
-    return out
+    order = sorted(groups, key=lambda key: (OBJECTIVES.index(key[0]), key[1]))
+    return [cell(objective, eta, groups[objective, eta]) for objective, eta in order]
+
+
+def pm(mean: float, sd: float | None, scale: float = 100.0, digits: int = 1, sign: bool = False) -> str:
+    """'mean ± sd' (scaled: 100 for points of accuracy); '-' for the sd of one seed."""
+    spread = "-" if sd is None else f"{sd * scale:.{digits}f}"
+    return f"{mean * scale:{'+' if sign else ''}.{digits}f} ± {spread}"
+
+
+def paired_gap(naive: dict, decoupled: dict, key: str) -> tuple[float, float | None]:
+    """decoupled - naive of `key`, seed by seed (the two share each seed's model): mean and sd over common seeds."""
+    a = dict(zip(naive["seeds"], naive["per_seed"][key], strict=True))
+    b = dict(zip(decoupled["seeds"], decoupled["per_seed"][key], strict=True))
+    return mean_sd([b[seed] - a[seed] for seed in sorted(a.keys() & b.keys())])
+
+
+def cell_line(c: dict) -> str:
+    return (
+        f"{c['objective']:<10} {c['eta']:>3} {len(c['seeds']):>5} "
+        f"{pm(c['final_accuracy'], c['final_accuracy_sd']):>12} {pm(c['tail_accuracy'], c['tail_accuracy_sd']):>12} "
+        f"{pm(c['best_accuracy'], c['best_accuracy_sd']):>12} {c['max_staleness_trained']:>9} "
+        f"{pm(c['clip_fraction_mean'], c['clip_fraction_mean_sd']):>11} "
+        f"{pm(c['groups_dropped'], c['groups_dropped_sd'], 1):>11} "
+        f"{pm(c['wall_seconds'], c['wall_seconds_sd'], 1, 0):>10}"
+    )
 
 
 def table(report: dict) -> str:
     s = report["settings"]
     lines = [
-        f"held-out greedy accuracy after {s['steps']} steps, mean over seeds {s['seeds']}; "
-        f"tail = mean of the last {s['tail_evals']} evaluations (every {s['eval_every']} steps)",
-        f"{'objective':<10} {'eta':>3} {'seeds':>5} {'final':>6} {'sd':>5} {'tail':>6} {'best':>6} "
-        f"{'stale max':>9} {'clipped':>7} {'dropped':>7} {'wall s':>7}",
+        f"{s.get('task', 'arith')}: held-out greedy accuracy (%) after {s['steps']} steps, mean ± sample sd over "
+        f"seeds {s['seeds']}; tail = mean of the last {s['tail_evals']} evaluations (every {s['eval_every']} steps)",
+        f"{'objective':<10} {'eta':>3} {'seeds':>5} {'final':>12} {'tail':>12} {'best':>12} "
+        f"{'stale max':>9} {'clipped %':>11} {'dropped':>11} {'wall s':>10}",
+        *(cell_line(c) for c in report["cells"]),
     ]
-    for c in report["cells"]:
-        sd = "-" if c["final_accuracy_sd"] is None else f"{c['final_accuracy_sd']:.1%}"
-        lines.append(
-            f"{c['objective']:<10} {c['eta']:>3} {c['seeds']:>5} {c['final_accuracy']:>6.1%} {sd:>5} "
-            f"{c['tail_accuracy']:>6.1%} {c['best_accuracy']:>6.1%} {c['max_staleness_trained']:>9} "
-            f"{c['clip_fraction_mean']:>7.1%} {c['groups_dropped']:>7} {c['wall_seconds']:>7.0f}"
-        )
     by_key = {(c["objective"], c["eta"]): c for c in report["cells"]}
     for eta in sorted({c["eta"] for c in report["cells"]}):
-        if ("naive", eta) in by_key and ("decoupled", eta) in by_key:
-            naive, decoupled = by_key["naive", eta], by_key["decoupled", eta]
-            lines.append(
-                f"eta {eta}: decoupled - naive = {decoupled['final_accuracy'] - naive['final_accuracy']:+.1%} "
-                f"final, {decoupled['tail_accuracy'] - naive['tail_accuracy']:+.1%} tail"
+        naive, decoupled = by_key.get(("naive", eta)), by_key.get(("decoupled", eta))
+        if naive and decoupled and set(naive["seeds"]) & set(decoupled["seeds"]):
+            final, tail = (
+                pm(*paired_gap(naive, decoupled, key), sign=True) for key in ("final_accuracy", "tail_accuracy")
             )
+            lines.append(f"eta {eta}: decoupled - naive = {final} final, {tail} tail (points, paired by seed)")
     lines.append(
         f"{len(report['rows'])} runs in {report['wall_seconds'] / 60:.1f} min (models {report['models_seconds']:.0f} s)"
     )
     return "\n".join(lines)
 
 
-def mean_curve(rows: list[dict]) -> tuple[list[int], list[float]]:
-    """Accuracy per evaluated step, averaged over the runs that evaluated it."""
+def mean_curve(rows: list[dict]) -> tuple[list[int], list[float], list[float]]:
+    """Accuracy per evaluated step: mean and sample sd (0 from one run) over the runs that evaluated it."""
     at: dict[int, list[float]] = defaultdict(list)
     for row in rows:
         for step, accuracy in row["curve"]:
             at[step].append(accuracy)
     steps = sorted(at)
-    return steps, [statistics.fmean(at[step]) for step in steps]
+    spread = [statistics.stdev(at[step]) if len(at[step]) > 1 else 0.0 for step in steps]
+    return steps, [statistics.fmean(at[step]) for step in steps], spread
+
+
+def plot_curves(ax, rows: list[dict], objective: str, colour_of) -> None:
+    """One objective's held-out accuracy vs trainer step: per eta the mean over seeds, its ± sd as a band."""
+    for eta in sorted({r["eta"] for r in rows}):
+        runs = [r for r in rows if r["objective"] == objective and r["eta"] == eta]
+        if not runs:
+            continue
+        steps, means, sds = mean_curve(runs)
+        ax.plot(steps, means, color=colour_of(eta), linewidth=2, marker="o", markersize=3, label=f"η = {eta}")
+        if len(runs) > 1:
+            low, high = (
+                [m - d for m, d in zip(means, sds, strict=True)],
+                [m + d for m, d in zip(means, sds, strict=True)],
+            )
+            ax.fill_between(steps, low, high, color=colour_of(eta), alpha=0.12, linewidth=0)
+    prox = "π_prox = π_behav" if objective == "naive" else "π_prox recomputed"
+    ax.set_title(f"{objective} PPO ({prox})")
+    ax.set_xlabel("trainer step")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+
+
+def plot_finals(ax, cell_list: list[dict]) -> None:
+    """Final held-out accuracy vs eta per objective, error bars ± sd over seeds (the paper's Table 2 as a figure)."""
+    for shift, objective in zip((-0.08, 0.08), OBJECTIVES, strict=True):
+        mine = [c for c in cell_list if c["objective"] == objective]
+        ax.errorbar(
+            [c["eta"] + shift for c in mine],
+            [c["final_accuracy"] for c in mine],
+            yerr=[c["final_accuracy_sd"] or 0.0 for c in mine],
+            marker="o",
+            capsize=4,
+            linewidth=1.5,
+            label=f"{objective} PPO",
+        )
+    ax.set_xticks(sorted({c["eta"] for c in cell_list}))
+    ax.set_title("final accuracy, mean ± sd over seeds")
+    ax.set_xlabel("staleness bound η")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower left")
 
 
 def plot(report: dict, path: Path) -> None:
-    """Held-out accuracy vs trainer step, one panel per objective, one colour per eta (seeds: thin; mean: bold)."""
+    """Accuracy vs trainer step, one panel per objective, one colour per eta (mean ± sd band over seeds);
+    then the final accuracy vs eta for both objectives with ± sd error bars."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -222,26 +290,18 @@ def plot(report: dict, path: Path) -> None:
     rows = report["rows"]
     etas = sorted({*PLOT_ETAS, *(r["eta"] for r in rows)})
     colours = plt.get_cmap("viridis")
-    fig, axes = plt.subplots(1, len(OBJECTIVES), figsize=(12, 4.8), sharey=True)
-    for ax, objective in zip(axes, OBJECTIVES, strict=True):
-        for eta in sorted({r["eta"] for r in rows}):
-            runs = [r for r in rows if r["objective"] == objective and r["eta"] == eta]
-            if not runs:
-                continue
-            colour = colours(etas.index(eta) / max(len(etas) - 1, 1) * 0.9)
-            if len(runs) > 1:
-                for r in runs:
-                    ax.plot(*zip(*r["curve"], strict=True), color=colour, alpha=0.25, linewidth=0.8)
-            ax.plot(*mean_curve(runs), color=colour, linewidth=2, marker="o", markersize=3, label=f"η = {eta}")
-        prox = "π_prox = π_behav" if objective == "naive" else "π_prox recomputed"
-        ax.set_title(f"{objective} PPO ({prox})")
-        ax.set_xlabel("trainer step")
-        ax.grid(alpha=0.3)
-        ax.legend(loc="lower right")
+    fig, axes = plt.subplots(1, len(OBJECTIVES) + 1, figsize=(17, 4.8), sharey=True)
+    for ax, objective in zip(axes, OBJECTIVES, strict=False):
+        plot_curves(ax, rows, objective, lambda eta: colours(etas.index(eta) / max(len(etas) - 1, 1) * 0.9))
+    plot_finals(axes[-1], report["cells"])
     axes[0].set_ylabel("held-out greedy accuracy")
-    axes[0].set_ylim(0, min(1.0, max(0.1, *(a for r in rows for _, a in r["curve"])) + 0.05))
-    seeds = report["settings"]["seeds"]
-    fig.suptitle(f"built-in task: accuracy vs staleness bound η, mean over {len(seeds)} seed(s)")
+    tops = [c["final_accuracy"] + (c["final_accuracy_sd"] or 0.0) for c in report["cells"]]
+    highest = max(0.1, *tops, *(a for r in rows for _, a in r["curve"]))
+    axes[0].set_ylim(0, min(1.0, highest + 0.05))
+    s = report["settings"]
+    fig.suptitle(
+        f"{s.get('task', 'arith')}: held-out accuracy vs staleness bound η, mean ± sd over {len(s['seeds'])} seed(s)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -269,7 +329,7 @@ def merge(reports: list[dict]) -> dict:
     """One report from several of the same settings run separately (seeds on other machines or days)."""
     first = reports[0]["settings"]
     for report in reports[1:]:
-        differ = [k for k in ("steps", "eval_every", "tail_evals") if report["settings"][k] != first[k]]
+        differ = [k for k in ("task", "steps", "eval_every", "tail_evals") if report["settings"].get(k) != first.get(k)]
         if differ:
             raise ValueError(f"the reports differ in {', '.join(differ)}: their rows cannot share a table")
     keys = [(r["eta"], r["objective"], r["seed"]) for report in reports for r in report["rows"]]
@@ -303,8 +363,43 @@ def run_merge(args: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError) as exc:
         print(f"asyncrl: cannot merge: {exc}", file=sys.stderr)
         return 2
-    write(report, Path(args.out or "runs/bench/staleness.json"))
+    settings = report["settings"]
+    label = task_label(settings.get("task_config") or settings.get("task", "arith"))
+    write(report, Path(args.out or f"runs/bench/staleness-{label}.json"))
     return 0
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a grid needs before anything runs: the plan, every run's config and the settings they share."""
+
+    plan: Plan
+    out: Path
+    common: list[str]
+    shared: RunConfig  # every run's config before its own eta, objective and seed
+    configs: dict[Setting, RunConfig]
+
+
+def prepare(args: argparse.Namespace) -> Prepared:
+    """The task's shipped config with `args`: the plan (steps from the task's config unless --steps), all configs."""
+    plan = plan_for(args, task_config(args.task, args.overrides).trainer.steps)
+    if plan.steps < 1 or args.eval_every < 1:
+        raise ConfigError("--steps and --eval-every must be positive")
+    quick = "-quick" if args.quick else ""
+    out = Path(args.out or f"runs/bench/staleness-{task_label(args.task)}{quick}.json")
+    common = [
+        *args.overrides,
+        f"runs_dir={out.parent / 'staleness-runs'}",
+        f"trainer.steps={plan.steps}",
+        f"eval.every={args.eval_every}",
+        "telemetry.sample_ratio=0",
+    ]
+    shared = task_config(args.task, common)
+    if shared.data.source != "builtin":
+        raise ConfigError(
+            "bench staleness measures held-out accuracy on a task's own rows: data.source must be builtin"
+        )
+    return Prepared(plan, out, common, shared, run_configs(plan, args.task, common))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -313,54 +408,43 @@ def run(args: argparse.Namespace) -> int:
     started = time.time()
     # saving and loading bars would break the bars over runs and steps
     transformers.utils.logging.disable_progress_bar()
-    plan = plan_for(args)
-    if plan.steps < 1 or args.eval_every < 1:
-        print("asyncrl: --steps and --eval-every must be positive", file=sys.stderr)
-        return 2
-    out = Path(args.out or f"runs/bench/staleness{'-quick' if args.quick else ''}.json")
-    runs_dir = out.parent / "staleness-runs"
-    common = [
-        *args.overrides,
-        f"runs_dir={runs_dir}",
-        f"trainer.steps={plan.steps}",
-        f"eval.every={args.eval_every}",
-        "telemetry.sample_ratio=0",
-    ]
-    shared = load_config(config_file(None), common)  # what every run has before its own eta, objective and seed
-    if shared.data.source != "builtin":
-        raise ConfigError("bench staleness measures held-out accuracy, which only the built-in task has")
-    configs = run_configs(plan, common)
+    p = prepare(args)
     print(
-        f"bench staleness: {len(configs)} runs of {plan.steps} steps (eta {list(plan.etas)} x {list(OBJECTIVES)} "
-        f"x seeds {list(plan.seeds)})",
+        f"bench staleness on {p.shared.data.task}: {len(p.configs)} runs of {p.plan.steps} steps "
+        f"(eta {list(p.plan.etas)} x {list(OBJECTIVES)} x seeds {list(p.plan.seeds)})",
         flush=True,
     )
-    models = build_models(configs, runs_dir / f"models-{time.strftime('%Y%m%d-%H%M%S')}", not args.no_progress)
+    models_dir = Path(p.shared.runs_dir) / f"models-{time.strftime('%Y%m%d-%H%M%S')}"
+    models = build_models(p.configs, models_dir, not args.no_progress)
     models_seconds = time.time() - started
-    configs = {s: with_model(c, models[s.seed]) if s.seed in models else c for s, c in configs.items()}
+    configs = {s: with_model(c, models[s.seed]) if s.seed in models else c for s, c in p.configs.items()}
     rows, failed = run_grid(configs, not args.no_progress)
+    info = machine()
     report = {
         "cells": cells(rows),
         "rows": rows,
         "wall_seconds": round(time.time() - started, 1),
         "models_seconds": round(models_seconds, 1),
         "settings": {
+            "task": p.shared.data.task,
+            "task_config": args.task,
             "quick": args.quick,
-            "etas": list(plan.etas),
+            "etas": list(p.plan.etas),
             "objectives": list(OBJECTIVES),
-            "seeds": list(plan.seeds),
-            "steps": plan.steps,
+            "seeds": list(p.plan.seeds),
+            "steps": p.plan.steps,
             "eval_every": args.eval_every,
             "tail_evals": TAIL_EVALS,
-            "overrides": common,
+            "overrides": p.common,
             "models": models,
-            "model": "demo Qwen2 (2.2M) warmed up once per seed, shared by every run of that seed",
-            "config": msgspec.to_builtins(shared),
+            "model": "the task's demo model, warmed up once per seed, shared by every run of that seed",
+            "cores_given": cores_given(p.shared, info["cpu_count"], info["usable_cores"]),
+            "config": msgspec.to_builtins(p.shared),
         },
-        "machine": machine(),
+        "machine": info,
     }
-    write(report, out)
+    write(report, p.out)
     if failed:
-        print(f"asyncrl: the run {failed} did not finish; {out} has the {len(rows)} runs before it", file=sys.stderr)
+        print(f"asyncrl: the run {failed} did not finish; {p.out} has the {len(rows)} runs before it", file=sys.stderr)
         return 1
     return 0

@@ -1,6 +1,15 @@
-"""bench pipeline's window: rates after warm-up and the trainer's busy share, from metrics lines."""
+"""bench pipeline: the window (rates after warm-up, the trainer's busy share) from metrics lines, the configs
+of the three runs (the task's, default chain), the shared model, the cores per role and the table.
 
-from pipeline.bench.pipeline import window_rates
+Nothing runs a pipeline or builds a model here."""
+
+import argparse
+from pathlib import Path
+
+from pipeline.bench import cores_given, cores_line, task_config
+from pipeline.bench.pipeline import out_path, shared_model, table, variant_configs, window_rates
+from pipeline.cli import build_parser
+from pipeline.config import resolve
 
 
 def trainer(step: int, time: float, step_seconds: float) -> dict:
@@ -30,3 +39,106 @@ def test_window_rates_after_warm_up():
     assert rates["generated_tokens_per_s"] == 200.0
     assert rates["train_step_seconds"] == 0.5 and rates["trainer_busy"] == 0.5  # (0.25 + 0.75) / 2 s
     assert rates["window"] == (1.0, 3.0)  # where the CPU sampler reads the cores used
+
+
+def args_for(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["bench", "pipeline", *argv])
+
+
+def test_the_task_defaults_to_chain_with_its_own_output_length():
+    args = args_for()
+    configs, max_new_tokens = variant_configs(args)
+    assert args.task == "chain" and list(configs) == ["sync", "async", "async_no_interrupt"]
+    assert max_new_tokens == resolve(task_config("chain", [])).rollout.max_new_tokens  # chain.yaml's, else 288
+    assert {(c.data.task, c.rollout.max_new_tokens) for c in configs.values()} == {("chain", max_new_tokens)}
+    assert out_path(args) == Path("runs/bench/pipeline-chain.json")
+
+
+def test_each_variant_is_the_tasks_config_with_the_bench_settings_and_its_own(tmp_path):
+    out = tmp_path / "p.json"
+    configs, max_new_tokens = variant_configs(args_for("--task", "arith", "--out", str(out), "rollout.max_batch=16"))
+    assert max_new_tokens == 16  # arith's own (arith.yaml leaves rollout.max_new_tokens at 0)
+    assert {name: (c.trainer.max_staleness, c.rollout.interrupt) for name, c in configs.items()} == {
+        "sync": (0, True),
+        "async": (4, True),
+        "async_no_interrupt": (4, False),
+    }
+    for name, c in configs.items():
+        assert (c.data.task, c.name, c.runs_dir, c.trainer.steps, c.trainer.optim.lr) == (
+            "arith",
+            f"bench-{name}",
+            str(tmp_path / "pipeline-runs"),
+            60,
+            1e-9,
+        )
+        assert (c.trainer.batch_groups, c.data.n_samples, c.eval.every, c.rollout.max_batch) == (8, 8, 0, 16)
+    given, _ = variant_configs(args_for("--task", "arith", "--max-new-tokens", "50"))
+    assert {c.rollout.max_new_tokens for c in given.values()} == {50}
+
+
+def test_one_demo_model_for_the_task_and_seed_serves_the_three_runs(monkeypatch):
+    import pipeline.demo_model
+
+    calls = []
+
+    def fake_prepare(out_dir, task, **kwargs):
+        calls.append((Path(out_dir).name, task, kwargs))
+        return out_dir
+
+    monkeypatch.setattr(pipeline.demo_model, "prepare_demo_model", fake_prepare)
+    configs = shared_model(variant_configs(args_for("--task", "arith", "--seed", "3"))[0], progress=False)
+    assert calls == [
+        ("arith-seed3", "arith", {"seed": 3, "task_seed": 3, "steps": 150, "progress": False, "held_out": 200})
+    ]  # 150: arith's warm-up cap, as `asyncrl run` resolves it
+    assert len({c.model.path for c in configs.values()}) == 1 and configs["sync"].model.path.endswith("arith-seed3")
+
+
+def test_cores_given_per_role_against_the_machine():
+    given = ["rollout.workers=2", "broker.partitions=2", "rollout.threads=3", "trainer.ranks=2", "reward.processes=4"]
+    config = task_config("arith", given)
+    cores = cores_given(config, cpu_count=16, usable_cores=8)
+    assert cores == {
+        "rollout": {"processes": 2, "threads": 3},
+        "trainer": {"processes": 2, "threads": 1},
+        "reward": {"processes": 4, "threads": 1},
+        "threads_total": 12,
+        "usable_cores": 8,
+        "cpu_count": 16,
+    }
+    assert cores_line(cores) == (
+        "cores given: rollout 2 process(es) x 3 thread(s), trainer 2 process(es) x 1 thread(s), "
+        "reward 4 process(es) x 1 thread(s); 12 threads in all on 8 usable cores (machine: 16)"
+    )
+
+
+def test_the_table_names_the_task_and_the_cores_given_and_used():
+    run = {
+        "trained_tokens_per_s": 2915.04,
+        "steps_per_s": 0.5,
+        "generated_tokens_per_s": 3000.0,
+        "staleness_mean": 4.0,
+        "interrupted_trajectories": 12,
+        "trainer_busy": 0.97,
+        "cpu_cores": {"trainer": 0.9, "rollout": 0.83},
+    }
+    settings = {"task": "chain", "steps": 60, "batch_groups": 8, "n_samples": 8, "max_new_tokens": 288}
+    report = {
+        "runs": {"async": run},
+        "settings": {**settings, "warmup_steps": 10},
+        "cores_given": cores_given(task_config("arith", []), cpu_count=2, usable_cores=2),
+        "async_over_sync": 2.2834,
+        "interrupt_on_over_off": 0.98,
+        "interrupt_on_over_off_trained": 0.981,
+    }
+    lines = table(report).splitlines()
+    assert lines[0] == "task chain: 60 steps of 8 x 8 samples, outputs up to 288 tokens, measured after step 10"
+    assert lines[2] == "async                       2915.0    0.500          3000.0      4.00          12          97%"
+    assert lines[3] == (
+        "cores given: rollout 1 process(es) x 1 thread(s), trainer 1 process(es) x 1 thread(s), "
+        "reward 1 process(es) x 1 thread(s); 3 threads in all on 2 usable cores (machine: 2)"
+    )
+    assert lines[4] == "async cores used: trainer 0.90, rollout 0.83 (total 1.73)"
+    assert lines[5:] == [
+        "async/sync effective training throughput: 2.28x",
+        "interruption on/off generation throughput: 0.98x (training throughput 0.98x)",
+    ]

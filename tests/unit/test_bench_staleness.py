@@ -5,20 +5,27 @@ built from them is the real code.
 """
 
 import argparse
+import json
+from pathlib import Path
 
 import pytest
 
-from pipeline.bench import staleness
+from pipeline.bench import staleness, task_config
 from pipeline.bench.staleness import Setting
-from pipeline.cli import build_parser
+from pipeline.cli import build_parser, main
+from pipeline.config import ConfigError
 
 
 def args_for(*argv: str) -> argparse.Namespace:
     return build_parser().parse_args(["bench", "staleness", *argv])
 
 
-def test_quick_grid_is_eta_0_and_4_both_objectives_one_seed():
-    plan = staleness.plan_for(args_for("--quick"))
+def test_task_defaults_to_chain():
+    assert args_for().task == "chain" and args_for("--task", "arith").task == "arith"
+
+
+def test_quick_grid_is_eta_0_and_4_both_objectives_one_seed_half_the_steps():
+    plan = staleness.plan_for(args_for("--quick"), task_steps=1200)
     assert plan.steps == 600
     assert staleness.grid(plan) == [
         Setting(0, "naive", 0),
@@ -28,27 +35,72 @@ def test_quick_grid_is_eta_0_and_4_both_objectives_one_seed():
     ]
 
 
-def test_full_grid_is_every_eta_and_objective_per_seed_seed_major():
-    plan = staleness.plan_for(args_for())
+def test_full_grid_is_every_eta_and_objective_for_3_seeds_seed_major():
+    plan = staleness.plan_for(args_for(), task_steps=1200)
     runs = staleness.grid(plan)
-    assert plan.steps == 1200 and len(runs) == 5 * 2 * 3
+    assert plan.steps == 1200 and plan.seeds == (0, 1, 2) and len(runs) == 5 * 2 * 3
     assert {(s.eta, s.objective, s.seed) for s in runs} == {
         (eta, objective, seed) for eta in (0, 1, 2, 4, 8) for objective in ("naive", "decoupled") for seed in (0, 1, 2)
     }
     assert [s.seed for s in runs] == sorted(s.seed for s in runs)  # one seed's model serves its runs in a row
 
 
-def test_options_override_seeds_and_steps():
-    plan = staleness.plan_for(args_for("--quick", "--seeds", "3", "5", "3", "--steps", "40"))
+def test_steps_are_the_tasks_unless_given():
+    assert staleness.plan_for(args_for(), task_steps=300).steps == 300
+    assert staleness.plan_for(args_for("--quick"), task_steps=301).steps == 150
+    plan = staleness.plan_for(args_for("--quick", "--seeds", "3", "5", "3", "--steps", "40"), task_steps=300)
     assert plan.seeds == (3, 5) and plan.steps == 40 and len(staleness.grid(plan)) == 8
 
 
-def test_each_run_config_sets_its_eta_objective_and_seed_over_the_demo():
-    configs = staleness.run_configs(staleness.QUICK, ["trainer.steps=600", "trainer.optim.lr=3e-4", "runs_dir=/tmp/x"])
+def test_each_run_config_is_the_tasks_with_its_eta_objective_and_seed():
+    plan = staleness.plan_for(args_for("--quick"), task_steps=1200)
+    configs = staleness.run_configs(plan, "arith", ["trainer.steps=600", "trainer.optim.lr=3e-4", "runs_dir=/tmp/x"])
     config = configs[Setting(4, "naive", 0)]
     assert (config.trainer.max_staleness, config.trainer.loss.objective, config.seed) == (4, "naive", 0)
-    assert config.trainer.batch_groups == 8 and config.trainer.optim.lr == 3e-4  # the demo's, then the common overrides
+    assert config.data.task == "arith" and config.trainer.steps == 600
+    assert config.trainer.batch_groups == 8 and config.trainer.optim.lr == 3e-4  # arith.yaml's, then the overrides
     assert len({c.name for c in configs.values()}) == 4
+
+
+def test_prepare_defaults_to_the_chain_config_and_its_steps(tmp_path):
+    prepared = staleness.prepare(args_for("--out", str(tmp_path / "s.json"), "trainer.optim.lr=3e-4"))
+    chain = task_config("chain", [])
+    assert chain.data.task == "chain"  # pipeline/configs/chain.yaml
+    assert prepared.plan.steps == chain.trainer.steps and len(prepared.configs) == 30
+    assert {(c.data.task, c.trainer.steps, c.trainer.optim.lr) for c in prepared.configs.values()} == {
+        ("chain", chain.trainer.steps, 3e-4)
+    }
+    assert prepared.shared.runs_dir == str(tmp_path / "staleness-runs")
+
+
+def test_prepare_for_arith_quick():
+    prepared = staleness.prepare(args_for("--task", "arith", "--quick", "--eval-every", "20"))
+    assert prepared.out == Path("runs/bench/staleness-arith-quick.json")  # nothing is written by prepare
+    assert prepared.plan.steps == 600 and len(prepared.configs) == 4  # half arith.yaml's 1,200
+    assert {(c.data.task, c.trainer.steps, c.eval.every) for c in prepared.configs.values()} == {("arith", 600, 20)}
+    with pytest.raises(ConfigError, match="positive"):
+        staleness.prepare(args_for("--task", "arith", "--steps", "0"))
+
+
+def test_one_model_per_seed_built_for_the_task_as_asyncrl_run_builds_it(tmp_path, monkeypatch):
+    import pipeline.demo_model
+
+    calls = []
+
+    def fake_prepare(out_dir, task, **kwargs):
+        calls.append((Path(out_dir).name, task, kwargs))
+        return out_dir
+
+    monkeypatch.setattr(pipeline.demo_model, "prepare_demo_model", fake_prepare)
+    plan = staleness.plan_for(args_for("--quick", "--seeds", "0", "7"), task_steps=1200)
+    configs = staleness.run_configs(plan, "arith", ["runs_dir=/tmp/x"])
+    models = staleness.build_models(configs, tmp_path, progress=False)
+    assert models == {0: str(tmp_path / "seed0"), 7: str(tmp_path / "seed7")}
+    expected = {"task_seed": 0, "steps": 150, "progress": False, "held_out": 200}  # 150: arith's warm-up cap, resolved
+    assert calls == [
+        ("seed0", "arith", {"seed": 0, **expected}),
+        ("seed7", "arith", {"seed": 7, **expected, "task_seed": 7}),
+    ]
 
 
 def fake_run(setting: Setting, final: float, steps: int = 100) -> tuple[dict, list[dict]]:
@@ -120,9 +172,74 @@ def test_cells_average_over_seeds_per_objective_and_eta():
         ("decoupled", 4),
     ]
     naive4 = cells[1]
-    assert naive4["seeds"] == 2 and naive4["final_accuracy"] == pytest.approx(0.32)
-    assert naive4["final_accuracy_sd"] == pytest.approx(0.0283, abs=1e-4)
-    assert naive4["max_staleness_trained"] == 4 and naive4["wall_seconds"] == 70.0
+    assert naive4["seeds"] == [0, 1] and naive4["final_accuracy"] == pytest.approx(0.32)
+    assert naive4["final_accuracy_sd"] == 0.0283  # sqrt(((0.30 - 0.32)^2 + (0.34 - 0.32)^2) / (2 - 1))
+    assert naive4["per_seed"]["final_accuracy"] == [0.3, 0.34]
+    assert naive4["max_staleness_trained"] == 4 and naive4["wall_seconds"] == 70.0 and naive4["wall_seconds_sd"] == 0
+
+
+def test_mean_and_sample_sd():
+    assert staleness.mean_sd([0.5, 0.6, 0.7]) == (0.6, 0.1)
+    assert staleness.mean_sd([0, 0, 3]) == (1.0, 1.7321)  # sqrt((1 + 1 + 4) / 2)
+    assert staleness.mean_sd([0.42]) == (0.42, None)
+
+
+def row(eta: int, objective: str, seed: int, final: float, **values) -> dict:
+    """A row as `measure` makes it, with round numbers."""
+    numbers = {"tail_accuracy": final - 0.1, "best_accuracy": final + 0.1, "staleness_mean": float(eta)}
+    numbers |= {"clip_fraction_mean": 0.01, "steps_per_s": 2.0, "wall_seconds": 70.0, "groups_dropped": 0}
+    numbers |= {"max_staleness_trained": eta, "curve": [[0, 0.15], [50, final - 0.05], [100, final]]}
+    return {"eta": eta, "objective": objective, "seed": seed, "final_accuracy": final, **numbers, **values}
+
+
+def three_seeds() -> list[dict]:
+    """naive at eta 4 over seeds 2, 0, 1 (out of order); decoupled at eta 4 over seeds 0 and 1."""
+    return [
+        row(4, "naive", 2, 0.7, clip_fraction_mean=0.03, steps_per_s=3.0, wall_seconds=80.0, groups_dropped=3),
+        row(4, "naive", 0, 0.5, clip_fraction_mean=0.01, steps_per_s=1.0, wall_seconds=60.0),
+        row(4, "naive", 1, 0.6, clip_fraction_mean=0.02, steps_per_s=2.0, max_staleness_trained=3),
+        row(4, "decoupled", 0, 0.8),
+        row(4, "decoupled", 1, 0.7),
+    ]
+
+
+def test_a_cell_is_the_mean_and_sample_sd_of_every_number_over_its_seeds():
+    naive, decoupled = staleness.cells(three_seeds())
+    assert naive["seeds"] == [0, 1, 2] and decoupled["seeds"] == [0, 1]
+    assert {key: (naive[key], naive[f"{key}_sd"]) for key in staleness.SPREAD_KEYS} == {
+        "final_accuracy": (0.6, 0.1),
+        "tail_accuracy": (0.5, 0.1),
+        "best_accuracy": (0.7, 0.1),
+        "staleness_mean": (4.0, 0.0),
+        "clip_fraction_mean": (0.02, 0.01),
+        "steps_per_s": (2.0, 1.0),
+        "wall_seconds": (70.0, 10.0),
+        "groups_dropped": (1.0, 1.7321),
+    }
+    assert naive["max_staleness_trained"] == 4  # the worst seed, not a mean
+    assert naive["per_seed"]["final_accuracy"] == [0.5, 0.6, 0.7]  # in the order of "seeds"
+    assert naive["per_seed"]["groups_dropped"] == [0, 0, 3]
+    assert (decoupled["final_accuracy"], decoupled["final_accuracy_sd"]) == (0.75, 0.0707)
+
+
+def test_the_table_prints_mean_and_sd_per_cell_and_the_gap_paired_by_seed():
+    lines = staleness.table(report_of(three_seeds())).splitlines()
+    assert lines[0] == (
+        "chain: held-out greedy accuracy (%) after 100 steps, mean ± sample sd over seeds [0, 1]; "
+        "tail = mean of the last 3 evaluations (every 25 steps)"
+    )
+    assert lines[1] == (
+        "objective  eta seeds        final         tail         best stale max   clipped %     dropped     wall s"
+    )
+    assert lines[2] == (
+        "naive        4     3  60.0 ± 10.0  50.0 ± 10.0  70.0 ± 10.0         4   2.0 ± 1.0   1.0 ± 1.7    70 ± 10"
+    )
+    assert lines[3] == (
+        "decoupled    4     2   75.0 ± 7.1   65.0 ± 7.1   85.0 ± 7.1         4   1.0 ± 0.0   0.0 ± 0.0     70 ± 0"
+    )
+    # seed 0: 0.8 - 0.5, seed 1: 0.7 - 0.6 -> mean 0.2, sd 0.1414 (seed 2 has no decoupled run to pair with)
+    assert lines[4] == "eta 4: decoupled - naive = +20.0 ± 14.1 final, +20.0 ± 14.1 tail (points, paired by seed)"
+    assert lines[5] == "5 runs in 10.0 min (models 20 s)"
 
 
 def report_of(rows: list[dict]) -> dict:
@@ -131,39 +248,44 @@ def report_of(rows: list[dict]) -> dict:
         "rows": rows,
         "wall_seconds": 600.0,
         "models_seconds": 20.0,
-        "settings": {"steps": 100, "seeds": [0, 1], "tail_evals": staleness.TAIL_EVALS, "eval_every": 25},
+        "settings": {
+            "task": "chain",
+            "steps": 100,
+            "seeds": [0, 1],
+            "tail_evals": staleness.TAIL_EVALS,
+            "eval_every": 25,
+        },
     }
 
 
 def test_table_shows_every_cell_and_the_gap_between_the_objectives():
     text = staleness.table(report_of(fake_rows()))
-    assert "naive        4     2  32.0%  2.8%" in text
-    assert "eta 4: decoupled - naive = +21.0% final" in text
-    assert "eta 0: decoupled - naive = -1.0% final" in text
+    assert "\nnaive        4     2   32.0 ± 2.8 " in text
+    assert "eta 4: decoupled - naive = +21.0 ± 1.4 final" in text  # per seed: +20, +22 points
+    assert "eta 0: decoupled - naive = -1.0 ± 4.2 final" in text  # per seed: +2, -4 points
     assert "8 runs in 10.0 min" in text
 
 
 def test_one_seed_has_no_spread():
     rows = [r for r in fake_rows() if r["seed"] == 0]
-    assert all(c["final_accuracy_sd"] is None for c in staleness.cells(rows))
-    assert "50.0%     -" in staleness.table(report_of(rows))
+    assert all(c[f"{key}_sd"] is None for c in staleness.cells(rows) for key in staleness.SPREAD_KEYS)
+    text = staleness.table(report_of(rows))
+    assert "\nnaive        0     1     50.0 ± -" in text and "eta 0: decoupled - naive = +2.0 ± - final" in text
 
 
-def test_the_plot_is_a_png(tmp_path):
+@pytest.mark.parametrize("seeds", [(0, 1), (0,)])
+def test_the_plot_is_a_png(tmp_path, seeds):
     path = tmp_path / "staleness.png"
-    staleness.plot(report_of(fake_rows()), path)
+    staleness.plot(report_of([r for r in fake_rows() if r["seed"] in seeds]), path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 
-def test_reports_of_separate_runs_merge_into_one_table_and_plot(tmp_path, capsys):
-    import json
-
-    from pipeline.cli import main
-
+def test_reports_of_separate_seeds_merge_into_the_same_table_and_plot(tmp_path, capsys):
     rows = fake_rows()
     paths = []
     for seed in (0, 1):  # one report per seed, as two invocations (or machines) would write them
         report = {**report_of([r for r in rows if r["seed"] == seed]), "machine": {"cpu_count": 2}}
+        report |= {"wall_seconds": 300.0, "models_seconds": 10.0}
         report["settings"] = {**report["settings"], "seeds": [seed]}
         paths.append(tmp_path / f"seed{seed}.json")
         paths[-1].write_text(json.dumps(report))
@@ -172,11 +294,15 @@ def test_reports_of_separate_runs_merge_into_one_table_and_plot(tmp_path, capsys
     merged = json.loads(out.read_text())
     assert merged["settings"]["seeds"] == [0, 1] and len(merged["rows"]) == 8
     assert merged["cells"] == staleness.cells(rows)  # as if one invocation had run both seeds
-    assert out.with_suffix(".png").exists() and "naive        4     2  32.0%  2.8%" in capsys.readouterr().out
+    assert out.with_suffix(".png").exists()
+    assert staleness.table(report_of(rows)) in capsys.readouterr().out  # the same table, line for line
 
     assert main(["bench", "staleness", "--merge", str(paths[0]), str(paths[0]), "--out", str(out)]) == 2
-    other = json.loads(paths[1].read_text())
-    other["settings"]["steps"] = 200
-    paths[1].write_text(json.dumps(other))
-    assert main(["bench", "staleness", "--merge", *map(str, paths), "--out", str(out)]) == 2
-    assert "differ in steps" in capsys.readouterr().err
+    for key, value in (("steps", 200), ("task", "arith")):
+        other = json.loads(paths[1].read_text())
+        other["settings"][key] = value
+        paths[1].write_text(json.dumps(other))
+        assert main(["bench", "staleness", "--merge", *map(str, paths), "--out", str(out)]) == 2
+        assert f"differ in {key}" in capsys.readouterr().err
+        other["settings"][key] = {"steps": 100, "task": "chain"}[key]
+        paths[1].write_text(json.dumps(other))

@@ -16,6 +16,7 @@ from typing import Any
 from workers.tasks import load_task
 
 RewardFn = Callable[[str, str, dict[str, str]], Any]
+AnswerKey = Callable[[str], str]
 
 
 def math_answer(prompt: str, completion: str, metadata: dict[str, str]) -> tuple[float, dict[str, str]]:
@@ -41,6 +42,34 @@ def load(spec: str, task: str = "arith") -> RewardFn:
     if not callable(fn):
         raise ValueError(f"reward function {spec!r} is not callable")
     return fn
+
+
+def math_key(completion: str) -> str:
+    """math-verify's parse of the completion as a string ('' when it finds no answer); a real number as its
+    value to 12 digits, so that 15, 15.0 and 30/2 vote together."""
+    from math_verify import parse
+
+    parsed = parse(completion)
+    if not parsed:
+        return ""
+    value = parsed[0]
+    if getattr(value, "is_number", False) and getattr(value, "is_real", False):
+        try:
+            return format(float(value), ".12g")
+        except (TypeError, ValueError, OverflowError):
+            pass
+    return str(value)
+
+
+def answer_key(spec: str, task: str = "arith") -> AnswerKey:
+    """The final answer of a completion as a comparable string, for majority voting (maj@k) beside the
+    verifier `load(spec, task)`: the task's `final_answer` ('builtin'), math-verify's parse ('math'), or
+    the stripped completion (a function of your own, whose notion of an answer is unknown here)."""
+    if spec == "builtin":
+        return load_task(task).final_answer
+    if spec == "math":
+        return math_key
+    return str.strip
 
 
 def normalise(result: Any) -> tuple[float, dict[str, str]]:

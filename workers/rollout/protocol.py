@@ -19,6 +19,7 @@ also works: it interrupts on its own.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -113,11 +114,19 @@ def check_request(prompt_ids: list[int], params: SamplingParams, max_len: int | 
         raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under {max_len} positions")
 
 
-def generate_all(engine: RolloutEngine, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
-    """Run a whole batch to completion on an idle engine (evaluation, tests); results in prompt order."""
+def generate_all(
+    engine: RolloutEngine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    on_finished: Callable[[list[Sequence]], None] | None = None,
+) -> list[Sequence]:
+    """Run a whole batch to completion on an idle engine (evaluation, tests); results in prompt order.
+    `on_finished` sees each step's finished sequences (a progress bar)."""
     if not engine.idle():
         raise RuntimeError("generate_all() needs an idle engine")
     seqs = [engine.submit(f"generate/{i}", p, params) for i, p in enumerate(prompts)]
     while not engine.idle():
-        engine.step()
+        finished = engine.step()
+        if on_finished is not None:
+            on_finished(finished)
     return seqs

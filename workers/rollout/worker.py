@@ -19,13 +19,14 @@ from functools import cached_property
 
 import torch
 from opentelemetry.context import Context
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from schemas.config import RunConfig
 from schemas.messages import DeadLetter, PromptGroup, Segment, WeightVersion, encode, prompt_id_of, trajectory_id
 from topics.tracing import trace_headers
 from topics.transport import Delivery, Inbox, Outbox, Transport, WeightsFollower
 from workers import runtime
+from workers.models import load_causal_lm
 from workers.rollout.engine import Engine
 from workers.rollout.protocol import RolloutEngine, SamplingParams, Sequence
 from workers.weights import WeightsError, verify
@@ -55,15 +56,19 @@ class InFlight:
 
 
 def make_engine(config: RunConfig) -> RolloutEngine:
-    """The configured backend at version 0: the embedded torch engine, or vLLM."""
+    """The configured backend at version 0, in model.dtype: the embedded torch engine, or vLLM."""
     if config.rollout.backend == "vllm":
         from workers.rollout.vllm_engine import VLLMEngine  # vLLM itself is imported only here
 
-        return VLLMEngine(config.model.path, max_batch=config.rollout.max_batch, version=0, seed=config.seed)
-    model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32)
-    return Engine(
-        model.to(torch.device(config.model.device)), max_batch=config.rollout.max_batch, version=0, seed=config.seed
-    )
+        return VLLMEngine(
+            config.model.path,
+            max_batch=config.rollout.max_batch,
+            version=0,
+            seed=config.seed,
+            dtype=config.model.dtype,
+        )
+    model = load_causal_lm(config.model.path, config.model.dtype, config.model.device)
+    return Engine(model, max_batch=config.rollout.max_batch, version=0, seed=config.seed)
 
 
 class Rollout:

@@ -39,7 +39,7 @@ class DemoRecipe:
 
 
 class Task:
-    """A plug-in task. `problems(seed)` must be deterministic and its prompts distinct."""
+    """A plug-in task: implement `problems` (deterministic, distinct prompts) or `split` itself, and `score`."""
 
     name: ClassVar[str] = ""
     alphabet: ClassVar[str] = ""  # every character of prompts and solutions: the demo tokenizer's vocabulary
@@ -47,6 +47,7 @@ class Task:
     demo: ClassVar[DemoRecipe] = DemoRecipe()
 
     def problems(self, seed: int) -> list[Problem]:
+        """Every problem of the task, in a fixed order: `split` shuffles and cuts them."""
         raise NotImplementedError
 
     def score(self, completion: str, answer: str) -> float:

@@ -1,11 +1,12 @@
-"""`chain`, long chains of thought: start at a, add d until the total passes T, one line per addition.
+"""`chain`, long chains of thought: start at a, add d until the total passes T, writing every sum.
 
     prompt      "17+6>40:"
-    completion  "17+6=23\n23+6=29\n29+6=35\n35+6=41\n\\boxed{41}"
+    completion  "17+6=23+6=29+6=35+6=41;\\boxed{41}"
 
-Every step is the same small skill (add a digit, compare with the bound), but the number of
-steps varies per problem with a long tail (log-normal, 1 to 24 steps), so worked solutions
-run from ~18 to ~240 tokens with p90/p50 ≈ 4, like reasoning traces. An error anywhere
+Every step is the same small skill (add a digit to the total just written, compare with
+the bound), but the number of steps varies per problem with a long tail (log-normal, 1 to
+40 steps), so worked solutions run from ~16 to ~250 tokens with p90/p50 ≈ 3.5, like
+reasoning traces. An error anywhere
 derails the rest, so long problems are the hard ones, and RL has a long tail to hide. The
 reward is 1 only when the final \\boxed{} answer equals the reference (math-verify).
 """
@@ -18,32 +19,39 @@ import re
 
 from workers.tasks.base import EOS_TEXT, DemoRecipe, Problem, Task
 
-MAX_STEPS = 24
+MAX_STEPS = 49
+BOUND = 99
 MEDIAN_STEPS = 3.0
-STEPS_SIGMA = 1.2  # of log(steps): p90 / p50 of the steps is exp(1.28 * sigma) ≈ 4.7
-POOL = 20_000  # distinct problems drawn per seed
+STEPS_SIGMA = 1.3  # of log(steps): p90 / p50 of the steps is exp(1.28 * sigma) ≈ 5.3
+TRAIN_ROWS = 20_000  # training problems drawn per seed (a short one may repeat: there are few of them)
 BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
 
 def worked_solution(start: int, step: int, bound: int) -> str:
-    lines, total = [], start
+    parts, total = [str(start)], start
     while total <= bound:
-        lines.append(f"{total}+{step}={total + step}")
         total += step
-    return "\n".join([*lines, f"\\boxed{{{total}}}"])
+        parts.append(f"+{step}={total}")
+    return "".join(parts) + f";\\boxed{{{total}}}"
 
 
 def draw(rng: random.Random) -> Problem:
-    """One problem whose solution takes a log-normal number of steps."""
+    """One problem whose solution takes a log-normal number of steps.
+
+    The bound is always 99 and a step adds at most 9, so every total but the last has two
+    digits and the stop is "the total reached three digits": what the model must get right
+    over a long chain is the sums, the skill of `arith`, again and again.
+    """
     steps = min(MAX_STEPS, max(1, round(math.exp(rng.gauss(math.log(MEDIAN_STEPS), STEPS_SIGMA)))))
-    start, step = rng.randint(1, 99), rng.randint(2, 9)
-    bound = rng.randint(start + (steps - 1) * step, start + steps * step - 1)  # passed after exactly `steps`
-    return Problem(f"{start}+{step}>{bound}:", str(start + steps * step), worked_solution(start, step, bound))
+    step = rng.randint(2, max(2, min(9, 98 // steps)))  # a start >= 1 needs exactly `steps` additions
+    steps = min(steps, 98 // step)
+    start = rng.randint(BOUND + 1 - steps * step, BOUND - (steps - 1) * step)
+    return Problem(f"{start}+{step}>{BOUND}:", str(start + steps * step), worked_solution(start, step, BOUND))
 
 
 class Chain(Task):
     name = "chain"
-    alphabet = "0123456789+=>:\n\\boxed{}"
+    alphabet = "0123456789+=>:;\\boxed{}"
     max_new_tokens = 288
     demo = DemoRecipe(
         hidden_size=256,
@@ -58,14 +66,21 @@ class Chain(Task):
         warmup_target=0.3,
     )
 
-    def problems(self, seed: int) -> list[Problem]:
-        rng, seen, problems = random.Random(f"chain/{seed}"), set(), []
-        while len(problems) < POOL:
+    def split(self, seed: int, held_out: int) -> tuple[list[Problem], list[Problem]]:
+        """Distinct held-out problems first, then training draws that never repeat a held-out prompt.
+
+        Drawn rather than enumerated, so the log-normal length distribution holds in both sets.
+        """
+        rng, held = random.Random(f"chain/{seed}"), {}
+        while len(held) < held_out:
             problem = draw(rng)
-            if problem.prompt not in seen:
-                seen.add(problem.prompt)
-                problems.append(problem)
-        return problems
+            held.setdefault(problem.prompt, problem)
+        train = []
+        while len(train) < TRAIN_ROWS:
+            problem = draw(rng)
+            if problem.prompt not in held:
+                train.append(problem)
+        return train, list(held.values())
 
     def final_answer(self, completion: str) -> str:
         """The last \\boxed{...} before the end token; '' when there is none."""

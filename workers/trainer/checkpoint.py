@@ -30,6 +30,7 @@ class TrainerState:
     groups_consumed: int = 0
     groups_dropped: int = 0
     trained_tokens: int = 0
+    trained_trajectories: int = 0
     interrupted_trajectories: int = 0
     mixed_version_trajectories: int = 0
     max_staleness_trained: int = 0

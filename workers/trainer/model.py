@@ -13,10 +13,10 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from schemas.config import RunConfig
 from workers import runtime
+from workers.models import cast_floating, compute_dtype, load_causal_lm
 from workers.trainer import checkpoint
 from workers.trainer.advantages import ESTIMATORS
 from workers.trainer.buffer import Group
@@ -41,6 +41,7 @@ def step_settings(config: RunConfig) -> StepSettings:
         minibatches=optim.minibatches,
         grad_clip=optim.grad_clip,
         temperature=config.rollout.temperature,
+        dtype=compute_dtype(config.model.dtype, config.model.device),
         split=allocator(split.mode, split.max_tokens, split.min_count, split.fixed_count),
         loss=LossSettings(
             clip_eps=loss.clip_eps,
@@ -70,7 +71,9 @@ class RankModel:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay)
 
     def _load(self) -> torch.nn.Module:
-        return AutoModelForCausalLM.from_pretrained(self.config.model.path, dtype=torch.float32).to(self.device)
+        """float32 whatever model.dtype says: the master weights and AdamW's moments keep full precision, and
+        the step computes in `StepSettings.dtype` under autocast."""
+        return load_causal_lm(self.config.model.path, "float32", str(self.device))
 
     def restore(self, path: Path | None) -> checkpoint.TrainerState:
         """Model, optimizer and RNG from the checkpoint at `path` (None: the initial weights); its state."""
@@ -118,6 +121,7 @@ class Trainer:
         st.step += 1
         st.groups_consumed += len(groups)
         st.trained_tokens += tokens
+        st.trained_trajectories += len(trajectories)
         st.interrupted_trajectories += sum(s.num_segments > 1 for s in trajectories)
         st.mixed_version_trajectories += sum(len(set(s.versions)) > 1 for s in trajectories)
         st.max_staleness_trained = max(st.max_staleness_trained, *lags)
@@ -126,6 +130,7 @@ class Trainer:
             **stats,
             "reward_mean": rewards.mean().item(),
             "tokens": tokens,
+            "completion_lengths": [len(s.completion_tokens) for s in trajectories],  # the run's percentiles
             "staleness_mean": sum(lags) / len(lags),
             "staleness_max": max(lags),
             "staleness_histogram": [histogram[lag] for lag in range(max(lags) + 1)],  # trajectories per staleness
@@ -133,9 +138,11 @@ class Trainer:
         }
 
     def publish(self) -> tuple[Path, str]:
-        """Write the whole, unsharded weights of the current version to shared storage; (path, sha256)."""
+        """Write the whole, unsharded weights of the current version to shared storage, cast to model.dtype
+        (what the rollout runs, at that size on disk); (path, sha256)."""
         keep = self.config.trainer.checkpoint.keep_versions
-        return write_version(self.commands.gather_weights(), runtime.weights_dir(self.config), self.state.step, keep)
+        weights = cast_floating(self.commands.gather_weights(), self.config.model.dtype)
+        return write_version(weights, runtime.weights_dir(self.config), self.state.step, keep)
 
     def save(self) -> Path:
         """A checkpoint of the model, optimizer and `state` as it is now (set its resume fields first)."""

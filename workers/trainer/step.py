@@ -10,6 +10,7 @@ in `distributed.py`; the advantages come in already computed.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 from collections.abc import Callable, Iterable
@@ -71,12 +72,26 @@ def collate(
     return TrainBatch(input_ids, attention_mask, loss_mask, behav, adv).to(device)
 
 
-def packed_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """Mixed precision for a forward pass: torch.autocast at `dtype`; float32 enters nothing at all,
+    so the default step stays bit for bit what it was. Only forwards are wrapped (PyTorch's advice):
+    backward runs each op in the dtype its forward chose, and the gradients land on float32 parameters."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def packed_logprobs(
+    model: torch.nn.Module, batch: TrainBatch, temperature: float, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(token t+1 | tokens <= t) at the sampling temperature and the entropy of that
-    next-token distribution (no grad), [N, T-1] each, from one forward pass over the rows packed into one."""
+    next-token distribution (no grad), [N, T-1] each, from one forward pass over the rows packed into one,
+    computed in `dtype` (autocast) up to the logits; the softmax is float32."""
     use_packed_attention(model)
     packed = pack(batch.input_ids, batch.attention_mask)
-    logits = model(**packed.model_inputs()).logits[0, :-1]  # [L-1, V]
+    with autocast(batch.input_ids.device, dtype):
+        logits = model(**packed.model_inputs()).logits[0, :-1]  # [L-1, V]
+    logits = logits.float()  # [L-1, V]; the same tensor when float32, else the temperature divides in float32
     if temperature > 0:
         logits = logits / temperature
     logp = torch.log_softmax(logits.float(), dim=-1)  # [L-1, V]
@@ -87,12 +102,16 @@ def packed_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: floa
 
 
 def token_logprobs(
-    model: torch.nn.Module, batch: TrainBatch, temperature: float, split: Allocator = WHOLE_BATCH
+    model: torch.nn.Module,
+    batch: TrainBatch,
+    temperature: float,
+    split: Allocator = WHOLE_BATCH,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """log pi(token t+1 | tokens <= t) at the sampling temperature, [N, T-1], one packed pass per micro-batch."""
     logp = torch.zeros_like(batch.behav_logp)  # [N, T-1]
     for rows in batch.microbatches(split):
-        logp[rows] = packed_logprobs(model, batch.select(rows), temperature)[0]
+        logp[rows] = packed_logprobs(model, batch.select(rows), temperature, dtype)[0]
     return logp
 
 
@@ -115,6 +134,7 @@ def accumulate_gradients(
     loss: LossSettings,
     totals: tuple[float, float] | None = None,
     reference: torch.nn.Module | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[dict[str, float], torch.Tensor]:
     """Backward of one minibatch's loss, one packed micro-batch at a time.
 
@@ -122,7 +142,7 @@ def accumulate_gradients(
     accumulated gradients (and the summed loss) are those of the minibatch in one
     piece. `totals`: those of the whole minibatch when `batch` is only one rank's
     share of it (default: `batch`'s own). `reference`: a frozen model whose logprobs
-    the KL penalty needs (with `loss.kl_coef` > 0).
+    the KL penalty needs (with `loss.kl_coef` > 0). `dtype`: the forwards' autocast dtype.
     Returns the stats and this pass's logprobs, [N, T-1], detached.
     """
     totals = totals if totals is not None else batch_totals(batch.loss_mask)
@@ -130,12 +150,12 @@ def accumulate_gradients(
     parts = []
     for rows in batch.microbatches(split):
         mb = batch.select(rows)
-        logp, entropy = packed_logprobs(model, mb, temperature)  # [n, T-1] each
+        logp, entropy = packed_logprobs(model, mb, temperature, dtype)  # [n, T-1] each
         mb_prox = logp.detach() if prox is None else prox[rows]  # [n, T-1]
         ref_logp = None
         if reference is not None:
             with torch.no_grad():
-                ref_logp = packed_logprobs(reference, mb, temperature)[0]  # [n, T-1]
+                ref_logp = packed_logprobs(reference, mb, temperature, dtype)[0]  # [n, T-1]
         value, loss_stats = decoupled_ppo_loss(
             logp, mb_prox, mb.behav_logp, mb.advantages, mb.loss_mask, loss, totals=totals, ref_logp=ref_logp
         )
@@ -156,6 +176,7 @@ class StepSettings:
     temperature: float  # the sampling temperature the logprobs are taken at
     loss: LossSettings
     split: Allocator = WHOLE_BATCH  # cuts each minibatch (each rank's share) into packed micro-batches
+    dtype: torch.dtype = torch.float32  # forwards under autocast at this dtype; float32 = no autocast
 
 
 class RankShare:
@@ -213,7 +234,7 @@ def train_step(
     if settings.decoupled and settings.minibatches > 1:
         with torch.no_grad():
             indices, share, plan = shares.of([r for rows in mine[1:] for r in rows])
-            prox[indices] = token_logprobs(model, share, settings.temperature, plan)
+            prox[indices] = token_logprobs(model, share, settings.temperature, plan, settings.dtype)
     parts = []
     for index, (chunk, rows) in enumerate(zip(chunks, mine, strict=True)):
         own_prox = settings.decoupled and index == 0
@@ -228,6 +249,7 @@ def train_step(
             settings.loss,
             totals=batch_totals(batch.loss_mask[chunk]),
             reference=reference,
+            dtype=settings.dtype,
         )
         if own_prox:
             prox[indices[: len(rows)]] = logp[: len(rows)]

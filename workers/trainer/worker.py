@@ -161,6 +161,7 @@ class Lead:
             elapsed=elapsed,
             tokens_per_s=st.trained_tokens / elapsed,
             trained_tokens=st.trained_tokens,
+            trained_trajectories=st.trained_trajectories,
             groups_consumed=st.groups_consumed,
             groups_dropped=st.groups_dropped,
             interrupted_trajectories=st.interrupted_trajectories,

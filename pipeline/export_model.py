@@ -1,0 +1,137 @@
+"""`asyncrl export`: one weight version of a run as a Hugging Face model directory.
+
+A run keeps its weights as bare safetensors versions (`workers.weights`), which the rollout
+engine loads into the model it built from `model.path`. To use a trained policy elsewhere the
+version goes back into that model and out as a directory `AutoModelForCausalLM.from_pretrained`
+loads: config.json, generation_config.json, model.safetensors (in the dtype the run published,
+so greedy outputs equal the run's engine at that version), the tokenizer (with its chat
+template), and asyncrl.json naming the run, version and the version file's sha256.
+`asyncrl run` exports its final version to `<run dir>/final-model/`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from pipeline.config import ConfigError, load_config
+from schemas.config import RunConfig
+
+NOTE = "asyncrl.json"  # what an export holds beside the model files; also marks a directory as an export
+FINAL_DIR = "final-model"
+
+
+def run_config(run_dir: Path) -> RunConfig:
+    """The config a run's workers ran with; ConfigError when `run_dir` is not a run directory."""
+    if not run_dir.is_dir():
+        raise ConfigError(f"run directory {run_dir} does not exist")
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir} has no config.yaml: not a run directory (runs/<name>-<time>)")
+    return load_config(path)
+
+
+def on_disk(configured: str, fallback: Path) -> Path:
+    """A path the config names, or its usual place in the run directory when the run was moved."""
+    path = Path(configured) if configured else fallback
+    return fallback if not path.exists() and fallback.exists() else path
+
+
+def pick_version(weights_dir: Path, version: int | None) -> tuple[Path, int]:
+    """The file of `version` (None: the newest on disk) and its number; ConfigError when it is gone."""
+    from workers.weights import version_path
+
+    kept = sorted(int(p.stem[1:]) for p in weights_dir.glob("v*.safetensors") if p.stem[1:].isdigit())
+    if not kept:
+        raise ConfigError(f"{weights_dir} holds no weight versions (the trainer published none, or they are gone)")
+    version = kept[-1] if version is None else version
+    if version not in kept:
+        listed = ", ".join(map(str, kept))
+        raise ConfigError(
+            f"version {version} is not on disk in {weights_dir} (kept: {listed}); trainer.checkpoint.keep_versions "
+            "keeps more"
+        )
+    return version_path(weights_dir, version), version
+
+
+def clear_out_dir(out_dir: Path) -> None:
+    """Refuse to write into a directory holding anything but an earlier export (its files are replaced)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"--out {out_dir} is a file")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / NOTE).exists():
+        raise ConfigError(f"--out {out_dir} is not empty and not an earlier export: choose a new directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+
+def export_model(run_dir: str | Path, version: int | None, out_dir: str | Path) -> Path:
+    """Write weight `version` of the run (None: the newest on disk) as a Hugging Face model directory at
+    `out_dir`; returns `out_dir`. ConfigError (one line) when the run, its config, base model or version is missing."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from workers.weights import file_hash, load_into, read_version
+
+    run_dir, out_dir = Path(run_dir).resolve(), Path(out_dir).resolve()
+    config = run_config(run_dir)
+    weights_dir = on_disk(config.trainer.checkpoint.weights_dir, run_dir / "weights")
+    path, version = pick_version(weights_dir, version)
+    base = on_disk(config.model.path, run_dir / "model")
+    if not (base / "config.json").is_file():
+        raise ConfigError(f"model.path {base}: no Hugging Face model there (its config and tokenizer are exported)")
+    clear_out_dir(out_dir)
+    tensors = read_version(path)
+    dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)  # as published
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype)
+    load_into(model, tensors)
+    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    generation = model.generation_config
+    for name in ("eos_token_id", "pad_token_id", "bos_token_id"):  # generate() stops and pads as the run did
+        if getattr(generation, name, None) is None and getattr(tokenizer, name, None) is not None:
+            setattr(generation, name, getattr(tokenizer, name))
+    model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    note = {
+        "run": str(run_dir),
+        "version": version,
+        "weights_file": str(path),
+        "sha256": file_hash(path),
+        "dtype": str(dtype).removeprefix("torch."),
+        "base_model": str(base),
+        "template": config.data.template,
+        "system_prompt": config.data.system_prompt,
+    }
+    (out_dir / NOTE).write_text(json.dumps(note, indent=2) + "\n")
+    (out_dir / "README.md").write_text(readme(note))
+    return out_dir
+
+
+def readme(note: dict) -> str:
+    """A few lines for whoever finds the directory: where it came from and how to load it."""
+    prompt = "the tokenizer's chat template" if note["template"] == "chat" else "the prompt text as is (raw)"
+    return (
+        f"# asyncrl export: version {note['version']} of {Path(note['run']).name}\n\n"
+        f"Weights {note['weights_file']} (sha256 {note['sha256']}), {note['dtype']}, on the architecture and "
+        f"tokenizer of {note['base_model']}. The run encoded prompts with {prompt}.\n\n"
+        "    from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "    model = AutoModelForCausalLM.from_pretrained(THIS_DIRECTORY)\n"
+        "    tokenizer = AutoTokenizer.from_pretrained(THIS_DIRECTORY)\n"
+    )
+
+
+def export_final(run_dir: Path, summary: dict) -> dict:
+    """The run's newest version to `<run dir>/final-model/`, its path in summary.json as `exported_model`.
+    A failure is one line on stderr and `exported_model: null`: the run's summary is never lost to it."""
+    try:
+        exported = str(export_model(run_dir, None, run_dir / FINAL_DIR))
+    except Exception as exc:  # the run is over and its results are written; say what is missing
+        reason = next(iter(str(exc).splitlines()), type(exc).__name__)
+        print(f"asyncrl: final model not exported ({reason})", file=sys.stderr)
+        exported = None
+    summary = {**summary, "exported_model": exported}
+    try:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    except OSError as exc:
+        print(f"asyncrl: summary.json not updated with exported_model ({exc})", file=sys.stderr)
+    return summary

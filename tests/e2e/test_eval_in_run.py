@@ -1,0 +1,56 @@
+"""Evaluation during a whole run, as users run it: `asyncrl run` on rows of one's own (reward math) with a
+held-out JSONL of one's own; the eval lines, summary.json and curves.png come from the run itself."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+STEPS, EVERY, K = 4, 2, 2
+
+
+def test_own_jsonl_run_evaluates_its_eval_source(broker, tmp_path: Path, unique_name) -> None:
+    from pipeline.demo_model import build_model, build_tokenizer
+
+    model = tmp_path / "model"
+    build_model(model, build_tokenizer(model), seed=0)
+    rows = [json.dumps({"prompt": f"{a}+{b}=", "answer": a + b}) for a in range(10, 30) for b in range(3)]
+    (tmp_path / "train.jsonl").write_text("\n".join(rows[:40]) + "\n")
+    (tmp_path / "eval.jsonl").write_text("\n".join(rows[40:]) + "\n")
+    overrides = [
+        f"model.path={model}",
+        f"data.source={tmp_path / 'train.jsonl'}",
+        f"data.eval_source={tmp_path / 'eval.jsonl'}",
+        "data.reward=math",
+        f"trainer.steps={STEPS}",
+        "trainer.batch_groups=2",
+        "data.n_samples=2",
+        "rollout.max_new_tokens=6",
+        f"eval.every={EVERY}",
+        f"eval.k={K}",
+        f"runs_dir={tmp_path / 'runs'}",
+        f"broker.bootstrap={broker.bootstrap}",
+        f"broker.topic_prefix={unique_name('eval')}.",
+    ]
+    command = [sys.executable, "-m", "pipeline.cli", "run", *overrides, "--no-progress"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_dir = (tmp_path / "runs" / "latest").resolve()
+
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [line for line in lines if line["source"] == "eval"]
+    assert [line["version"] for line in evals] == [0, 2, 4]  # the base model, every EVERY versions, the last
+    for line in evals:
+        assert line["n"] == 20 and line["k"] == K and line["pass_at_1"] <= line["pass_at_k"]
+        assert len((run_dir / "eval" / f"v{line['version']:06d}.jsonl").read_text().splitlines()) == 20
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["base_accuracy"] is not None and summary["final_accuracy"] == evals[-1]["heldout_accuracy"]
+    assert summary["eval_k"] == K and summary["final_maj_at_k"] == evals[-1]["maj_at_k"]
+    assert (run_dir / "curves.png").stat().st_size > 10_000
+    assert "no evaluation set" not in done.stderr
