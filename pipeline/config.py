@@ -145,7 +145,7 @@ def resolve(config: RunConfig) -> RunConfig:
     Called where a config is handed to workers (`prepare`, which writes config.yaml; `asyncrl worker`)
     or shown (`--dry-run`), once the run directory is named.
 
-    rollout.max_new_tokens 0 and model.warmup_steps 0 -> the task's defaults; model.dtype auto -> bfloat16 on
+    rollout.max_new_tokens 0 and model.warmup_steps null -> the task's defaults; model.dtype auto -> bfloat16 on
     CUDA, float32 on CPU; broker.fetch_wait_ms 0 -> 20 ms when trainer.max_staleness is 0 (every hop is on the
     critical path of a synchronous step), else 200 ms; trainer.checkpoint.weights_dir '' -> <runs_dir>/<name>/weights, absolute.
     """
@@ -153,7 +153,7 @@ def resolve(config: RunConfig) -> RunConfig:
     task = load_task_or_error(config.data.task)
     if not rollout.max_new_tokens:
         rollout = replace(rollout, max_new_tokens=task.max_new_tokens)
-    if not model.warmup_steps:
+    if model.warmup_steps is None:
         model = replace(model, warmup_steps=task.demo.warmup_max_steps)
     if model.dtype == "auto":
         model = replace(model, dtype="bfloat16" if model.device.startswith("cuda") else "float32")

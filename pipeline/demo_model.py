@@ -9,6 +9,7 @@ sometimes right (a reward signal) but mostly wrong (headroom).
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -117,6 +118,24 @@ def exact_match(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, row
     return right.all(1).float().mean().item()
 
 
+def batches(rows: list[Problem], batch_size: int, length_buckets: int, rng: random.Random) -> Iterator[list[Problem]]:
+    """Endless shuffled epochs cut into batches. With `length_buckets` > 1, every `length_buckets` batches are drawn
+    together and regrouped by solution length, so that a long-tailed task pads each batch to a similar length."""
+    order: list[int] = []
+    while True:
+        while len(order) < batch_size * length_buckets:  # a fresh shuffled epoch when the current one runs out
+            epoch = list(range(len(rows)))
+            rng.shuffle(epoch)
+            order += epoch
+        drawn, order = order[: batch_size * length_buckets], order[batch_size * length_buckets :]
+        if length_buckets > 1:
+            drawn.sort(key=lambda i: len(rows[i].solution))
+        group = [drawn[i : i + batch_size] for i in range(0, len(drawn), batch_size)]
+        if length_buckets > 1:
+            rng.shuffle(group)
+        yield from ([rows[i] for i in batch] for batch in group)
+
+
 def warm_up(
     model: Qwen2ForCausalLM,
     tokenizer: PreTrainedTokenizerFast,
@@ -128,6 +147,8 @@ def warm_up(
     probe_rows: list[Problem] | None = None,
     target_accuracy: float = Arith.demo.warmup_target,
     progress: bool = True,
+    length_buckets: int = 1,
+    probe_every: int = PROBE_EVERY,
 ) -> list[float]:
     """Teacher-forced SFT on completion tokens; returns the loss of every step taken.
 
@@ -136,25 +157,18 @@ def warm_up(
     trains on) it stops as soon as their greedy accuracy reaches `target_accuracy`,
     else it runs all `steps`.
     """
-    order_rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
-    order: list[int] = []
     losses = []
     bar = tqdm(range(1, steps + 1), desc="warm-up", disable=not progress)
-    for step in bar:
-        if len(order) < batch_size:  # a fresh shuffled epoch when the current one runs out
-            epoch = list(range(len(rows)))
-            order_rng.shuffle(epoch)
-            order += epoch
-        batch, order = [rows[i] for i in order[:batch_size]], order[batch_size:]
+    for step, batch in zip(bar, batches(rows, batch_size, length_buckets, random.Random(seed)), strict=False):
         loss = completion_loss(model, *sft_batch(tokenizer, batch))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
-        if probe_rows and step % PROBE_EVERY == 0:
+        if probe_rows and step % probe_every == 0:
             accuracy = exact_match(model, tokenizer, probe_rows)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", probe_acc=f"{accuracy:.2f}")
             if accuracy >= target_accuracy:
@@ -199,6 +213,8 @@ def prepare_demo_model(
         probe_rows=probe_rows,
         target_accuracy=recipe.warmup_target,
         progress=progress,
+        length_buckets=recipe.length_buckets,
+        probe_every=recipe.probe_every,
     )
     model.save_pretrained(str(out))
     return out

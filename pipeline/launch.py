@@ -110,6 +110,8 @@ def check_dataset(config: RunConfig) -> None:
         rows, bad = load_rows(config)
     except OSError as exc:
         raise ConfigError(f"data.source {config.data.source}: {exc.strerror}") from exc
+    except ValueError as exc:  # the task's own rows: e.g. a held-out split as large as the task
+        raise ConfigError(str(exc)) from None
     if not rows:
         reasons = "; ".join(str(row) for row in bad[:3])
         raise ConfigError(f"data.source {config.data.source} has no usable row{': ' + reasons if reasons else ''}")

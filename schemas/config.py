@@ -47,13 +47,12 @@ class ModelConfig(Section):
         ),
     ] = "auto"
     warmup_steps: Annotated[
-        int,
+        Annotated[int, msgspec.Meta(ge=0)] | None,
         doc(
             "demo model only: at most this many supervised warm-up steps (it stops earlier at the task's target); "
-            "0 = the task's own cap",
-            ge=0,
+            "0 = none (a random model); empty (null) = the task's own cap"
         ),
-    ] = 0
+    ] = None
 
 
 class DataConfig(Section):

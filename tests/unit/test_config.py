@@ -177,3 +177,14 @@ def test_an_old_and_a_new_name_for_one_setting_in_a_file_is_an_error(tmp_path):
     path.write_text("trainer:\n  lr: 1.0e-3\n  optim:\n    lr: 2.0e-3\n")
     with pytest.raises(ConfigError, match=r"sets both trainer\.lr and trainer\.optim\.lr"):
         load_config(path)
+
+
+def test_shipped_configs_run_by_name():
+    from pipeline.cli import config_file
+
+    assert config_file(None).endswith("configs/arith.yaml")  # `asyncrl run` = the demo
+    for name in ("arith", "chain"):
+        config = load_config(config_file(name))
+        assert config.data.task == name and config.name == name
+    with pytest.raises(ConfigError, match="neither a config file nor a shipped config"):
+        config_file("nosuch")

@@ -36,6 +36,8 @@ class DemoRecipe:
     warmup_lr: float = 1e-3
     warmup_target: float = 0.16  # warm-up stops when greedy accuracy on the probe reaches this
     warmup_max_steps: int = 150  # ... or after this many steps (model.warmup_steps overrides it)
+    probe_every: int = 2  # steps between probes
+    length_buckets: int = 1  # > 1: batches regrouped by length among this many (less padding on long tails)
 
 
 class Task:

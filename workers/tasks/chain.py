@@ -1,14 +1,15 @@
-"""`chain`, long chains of thought: start at a, add d until the total passes T, writing every sum.
+"""`chain`, long chains of thought: add d to a number n times, writing each total with the steps left.
 
-    prompt      "17+6>40:"
-    completion  "17+6=23+6=29+6=35+6=41;\\boxed{41}"
+    prompt      "17+6x4:"
+    completion  "3:23,2:29,1:35,0:41;\\boxed{41}"
 
-Every step is the same small skill (add a digit to the total just written, compare with
-the bound), but the number of steps varies per problem with a long tail (log-normal, 1 to
-40 steps), so worked solutions run from ~16 to ~250 tokens with p90/p50 ≈ 3.5, like
-reasoning traces. An error anywhere
-derails the rest, so long problems are the hard ones, and RL has a long tail to hide. The
-reward is 1 only when the final \\boxed{} answer equals the reference (math-verify).
+Every step is the same small skill (count the steps left one down, add a digit to the total
+just written, stop at 0: each decision is local), but n varies per problem with a long tail (log-normal,
+1 to 40 steps), so worked solutions run from ~16 to ~300 tokens with p90/p50 ≈ 3, like
+reasoning traces. An error anywhere derails the rest, so long problems are the hard ones,
+and RL has a long tail to hide. The reward is 1 only when the final \\boxed{} answer equals
+the reference (math-verify); the answer a + n·d cannot be read off the prompt without the
+arithmetic, so a chain of garbage that ends in a lucky guess is rare.
 """
 
 from __future__ import annotations
@@ -19,51 +20,43 @@ import re
 
 from workers.tasks.base import EOS_TEXT, DemoRecipe, Problem, Task
 
-MAX_STEPS = 49
-BOUND = 99
+MAX_STEPS = 40
 MEDIAN_STEPS = 3.0
 STEPS_SIGMA = 1.3  # of log(steps): p90 / p50 of the steps is exp(1.28 * sigma) ≈ 5.3
 TRAIN_ROWS = 20_000  # training problems drawn per seed (a short one may repeat: there are few of them)
 BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
 
-def worked_solution(start: int, step: int, bound: int) -> str:
-    parts, total = [str(start)], start
-    while total <= bound:
-        total += step
-        parts.append(f"+{step}={total}")
-    return "".join(parts) + f";\\boxed{{{total}}}"
+def worked_solution(start: int, step: int, count: int) -> str:
+    lines = (f"{count - i}:{start + step * i}" for i in range(1, count + 1))
+    return ",".join(lines) + f";\\boxed{{{start + step * count}}}"
 
 
 def draw(rng: random.Random) -> Problem:
-    """One problem whose solution takes a log-normal number of steps.
-
-    The bound is always 99 and a step adds at most 9, so every total but the last has two
-    digits and the stop is "the total reached three digits": what the model must get right
-    over a long chain is the sums, the skill of `arith`, again and again.
-    """
-    steps = min(MAX_STEPS, max(1, round(math.exp(rng.gauss(math.log(MEDIAN_STEPS), STEPS_SIGMA)))))
-    step = rng.randint(2, max(2, min(9, 98 // steps)))  # a start >= 1 needs exactly `steps` additions
-    steps = min(steps, 98 // step)
-    start = rng.randint(BOUND + 1 - steps * step, BOUND - (steps - 1) * step)
-    return Problem(f"{start}+{step}>{BOUND}:", str(start + steps * step), worked_solution(start, step, BOUND))
+    """One problem whose solution takes a log-normal number of steps."""
+    count = min(MAX_STEPS, max(1, round(math.exp(rng.gauss(math.log(MEDIAN_STEPS), STEPS_SIGMA)))))
+    start, step = rng.randint(1, 99), rng.randint(2, 9)
+    return Problem(f"{start}+{step}x{count}:", str(start + step * count), worked_solution(start, step, count))
 
 
 class Chain(Task):
     name = "chain"
-    alphabet = "0123456789+=>:;\\boxed{}"
-    max_new_tokens = 288
+    alphabet = "0123456789+x:,;\\boxed{}"
+    max_new_tokens = 320
     demo = DemoRecipe(
-        hidden_size=256,
+        hidden_size=192,
         layers=4,
         heads=4,
         kv_heads=2,
-        positions=320,
-        warmup_rows=2000,
+        positions=352,
+        warmup_rows=19_000,
         probe_rows=200,
         warmup_batch=32,
         warmup_lr=1e-3,
-        warmup_target=0.3,
+        warmup_target=0.15,
+        warmup_max_steps=1200,
+        probe_every=25,
+        length_buckets=16,
     )
 
     def split(self, seed: int, held_out: int) -> tuple[list[Problem], list[Problem]]:

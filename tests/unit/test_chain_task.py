@@ -1,0 +1,31 @@
+"""The `chain` task: worked solutions, its verifier, and the long-tailed lengths it exists for."""
+
+from __future__ import annotations
+
+from workers.tasks import EOS_TEXT
+from workers.tasks.chain import Chain, worked_solution
+
+CHAIN = Chain()
+
+
+def test_worked_solution_exact():
+    assert worked_solution(17, 6, 4) == "3:23,2:29,1:35,0:41;\\boxed{41}"
+    assert worked_solution(95, 9, 1) == "0:104;\\boxed{104}"
+
+
+def test_score_reads_only_the_final_boxed_answer_before_the_end():
+    assert CHAIN.score("17+6=23;\\boxed{41}" + EOS_TEXT, "41") == 1.0  # only the final answer counts
+    assert CHAIN.score("17+6=23+6=29;\\boxed{29}", "41") == 0.0
+    assert CHAIN.score("17+6=23+6=29+6=35+6=41", "41") == 0.0  # no \boxed{}: no answer
+    assert CHAIN.score("\\boxed{40}" + EOS_TEXT + "\\boxed{41}", "41") == 0.0  # after the end token: ignored
+    assert CHAIN.score("\\boxed{7}\\boxed{41}", "41") == 1.0  # the last one
+    assert CHAIN.final_answer("x;\\boxed{104}" + EOS_TEXT) == "104"
+    assert CHAIN.final_answer("no answer") == ""
+
+
+def test_lengths_are_long_tailed():
+    train, _ = CHAIN.split(0, 200)
+    lengths = sorted(len(p.solution) + 1 for p in train)  # one token per character, plus the end token
+    p50, p90 = lengths[len(lengths) // 2], lengths[int(0.9 * len(lengths))]
+    assert lengths[0] <= 25 and lengths[-1] >= 200
+    assert p90 / p50 >= 3
