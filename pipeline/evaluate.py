@@ -28,7 +28,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from pipeline.config import ConfigError
 from schemas.config import RunConfig
 from workers.models import encode_prompt, load_causal_lm
-from workers.prompt_source import BadRow, Row, parse_row
+from workers.prompt_source import Row, read_rows, rows_of
 from workers.reward import functions
 from workers.rollout.engine import Engine
 from workers.rollout.protocol import SamplingParams, check_request, generate_all
@@ -97,30 +97,9 @@ def summarise(rows: list[dict], k: int, temperature: float) -> dict:
 # ---- rows ----
 
 
-def read_rows(path: str | Path) -> tuple[list[Row], list[BadRow]]:
-    """Rows of a JSONL or Parquet file (prompt, answer, other fields as metadata) and the unusable ones."""
-    path = Path(path)
-    if path.suffix.lower() in (".parquet", ".pq"):
-        import pyarrow.parquet as pq
-
-        lines = [json.dumps(record, default=str) for record in pq.read_table(path).to_pylist()]
-    else:
-        lines = path.read_text().splitlines()
-    rows, bad = [], []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(parse_row(len(rows), line))
-        except ValueError as exc:
-            bad.append(BadRow(number, line, str(exc)))
-    return rows, bad
-
-
 def task_rows(spec: str, seed: int, held_out: int) -> list[Row]:
     """The held-out split of a task, as the run that trained on the rest of it split it."""
-    _, problems = load_task(spec).split(seed, held_out)
-    return [Row(i, p.prompt, p.answer, dict(p.metadata)) for i, p in enumerate(problems)]
+    return rows_of(load_task(spec).split(seed, held_out)[1])
 
 
 def file_rows(path: str, what: str) -> list[Row]:

@@ -63,7 +63,9 @@ class DataConfig(Section):
             "module:Class (a subclass of workers.tasks.Task): its rows, verifier, demo model and defaults"
         ),
     ] = "arith"
-    source: Annotated[str, doc("'builtin' (the task's own rows) or a JSONL file with prompt/answer fields")] = "builtin"
+    source: Annotated[
+        str, doc("'builtin' (the task's own rows) or a JSONL or Parquet file with prompt/answer fields")
+    ] = "builtin"
     reward: Annotated[
         str, doc("'builtin' (the task's verifier), 'math' (math-verify) or 'module:function' of your own")
     ] = "builtin"

@@ -65,6 +65,19 @@ async def topic_layout(broker: EmbeddedBroker, unique_name: Callable[[str], str]
     return layout
 
 
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The arith demo model and tokenizer, untrained (seed 0), built once; tests only read it."""
+    import torch
+
+    from pipeline.demo_model import build_model, build_tokenizer
+
+    torch.set_num_threads(1)
+    path = tmp_path_factory.mktemp("demo-model")
+    build_model(path, build_tokenizer(path), seed=0)
+    return path
+
+
 @pytest.fixture
 def tiny_qwen2() -> Callable[..., object]:
     """Builds the small Qwen2 (seed 0) the trainer tests share: `tiny_qwen2(attn_implementation="sdpa")`."""

@@ -24,7 +24,7 @@ from topics.transport import Outbox, Transport, WeightsFollower
 from workers import runtime
 from workers.models import check_chat_template, encode_prompt
 from workers.staleness import may_release
-from workers.tasks import load_task
+from workers.tasks import Problem, load_task
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,26 @@ def load_rows(config: RunConfig) -> tuple[list[Row], list[BadRow]]:
     """The training rows and the rows that could not be used (with their line numbers)."""
     if config.data.source == "builtin":
         train, _ = load_task(config.data.task).split(config.seed, config.data.held_out)
-        return [Row(i, p.prompt, p.answer, dict(p.metadata)) for i, p in enumerate(train)], []
+        return rows_of(train), []
+    return read_rows(config.data.source)
+
+
+def rows_of(problems: list[Problem]) -> list[Row]:
+    """A task's problems as dataset rows, indexed in their order."""
+    return [Row(i, p.prompt, p.answer, dict(p.metadata)) for i, p in enumerate(problems)]
+
+
+def read_rows(path: str | Path) -> tuple[list[Row], list[BadRow]]:
+    """Rows of a JSONL or Parquet file (prompt, answer, other fields as metadata) and the unusable ones."""
+    path = Path(path)
+    if path.suffix.lower() in (".parquet", ".pq"):
+        import pyarrow.parquet as pq
+
+        lines = [json.dumps(record, default=str) for record in pq.read_table(path).to_pylist()]
+    else:
+        lines = path.read_text().splitlines()
     rows, bad = [], []
-    for number, line in enumerate(Path(config.data.source).read_text().splitlines(), start=1):
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:

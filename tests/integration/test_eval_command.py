@@ -11,7 +11,6 @@ import torch
 
 from pipeline.cli import main
 from pipeline.config import load_config, resolve, save_config
-from pipeline.demo_model import build_model, build_tokenizer
 from schemas.messages import WeightVersion, encode
 from workers.weights import unique_state_dict, write_version
 
@@ -24,14 +23,6 @@ def has_five(prompt, completion, metadata):
         raise RuntimeError("verifier broke on purpose")
     return 1.0 if "5" in completion else 0.0
 '''
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.set_num_threads(1)
-    path = tmp_path_factory.mktemp("model")
-    build_model(path, build_tokenizer(path), seed=0)
-    return path
 
 
 @pytest.fixture
@@ -57,9 +48,9 @@ def check_summary(summary: dict, n: int, k: int) -> None:
     assert 1 <= summary["length_p50"] <= summary["length_p90"] <= 6
 
 
-def test_eval_on_an_own_jsonl(model_dir: Path, rows_file: Path, tmp_path: Path, capsys) -> None:
+def test_eval_on_an_own_jsonl(demo_model_dir: Path, rows_file: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "out" / "eval.json"
-    assert run_eval("--model", str(model_dir), "--data", str(rows_file), "--k", "4", "--reward",
+    assert run_eval("--model", str(demo_model_dir), "--data", str(rows_file), "--k", "4", "--reward",
                     "eval_rewards:has_five", "--out", str(out)) == 0  # fmt: skip
     summary = json.loads(out.read_text())
     assert json.loads(capsys.readouterr().out) == summary  # printed too
@@ -80,23 +71,23 @@ def test_eval_on_an_own_jsonl(model_dir: Path, rows_file: Path, tmp_path: Path, 
     assert summary["errors"] == 5
 
 
-def test_eval_on_parquet_with_math_and_greedy_only(model_dir: Path, tmp_path: Path) -> None:
+def test_eval_on_parquet_with_math_and_greedy_only(demo_model_dir: Path, tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     data = tmp_path / "rows.parquet"
     pq.write_table(pa.table({"prompt": [f"{a}+{b}=" for a, b in ROWS], "answer": [a + b for a, b in ROWS]}), data)
     out = tmp_path / "parquet.json"
-    assert run_eval("--model", str(model_dir), "--data", str(data), "--out", str(out)) == 0
+    assert run_eval("--model", str(demo_model_dir), "--data", str(data), "--out", str(out)) == 0
     summary = json.loads(out.read_text())
     assert summary["reward"] == "math" and summary["n"] == len(ROWS) and summary["k"] == 0
     assert summary["pass_at_1"] is summary["pass_at_k"] is summary["maj_at_k"] is None
     assert 0.0 <= summary["greedy_accuracy"] <= 1.0
 
 
-def test_eval_on_a_tasks_held_out_split(model_dir: Path, tmp_path: Path) -> None:
+def test_eval_on_a_tasks_held_out_split(demo_model_dir: Path, tmp_path: Path) -> None:
     out, rows_out = tmp_path / "task.json", tmp_path / "per-row.jsonl"
-    args = ("--model", str(model_dir), "--task", "arith", "--max-rows", "12", "--k", "3", "--temperature", "0.8")
+    args = ("--model", str(demo_model_dir), "--task", "arith", "--max-rows", "12", "--k", "3", "--temperature", "0.8")
     assert run_eval(*args, "--out", str(out), "--rows-out", str(rows_out)) == 0
     summary = json.loads(out.read_text())
     check_summary(summary, n=12, k=3)
@@ -110,15 +101,15 @@ def test_eval_on_a_tasks_held_out_split(model_dir: Path, tmp_path: Path) -> None
     assert [r["prompt"] for r in rows] == [p.prompt for p in held_out[:12]]
 
 
-def make_run(model_dir: Path, tmp_path: Path, versions: list[int]) -> Path:
+def make_run(demo_model_dir: Path, tmp_path: Path, versions: list[int]) -> Path:
     """A run directory as `asyncrl run` leaves it: config.yaml, weights/v<N>.safetensors."""
-    config = resolve(load_config(None, ["name=r1", f"runs_dir={tmp_path}", f"model.path={model_dir}"]))
+    config = resolve(load_config(None, ["name=r1", f"runs_dir={tmp_path}", f"model.path={demo_model_dir}"]))
     run_dir = tmp_path / "r1"
     run_dir.mkdir()
     save_config(config, run_dir / "config.yaml")
     from workers.models import load_causal_lm
 
-    model = load_causal_lm(str(model_dir))
+    model = load_causal_lm(str(demo_model_dir))
     for version in versions:
         with torch.no_grad():
             model.lm_head.weight.mul_(1.01)  # tied to the embedding: each version differs a little
@@ -140,8 +131,8 @@ def write_export(run_dir: Path, version: int, content_hash: str) -> None:
         _write_frame(out, ExportEnd(records=1))
 
 
-def test_eval_of_a_runs_weight_versions(model_dir: Path, tmp_path: Path, capsys) -> None:
-    run_dir = make_run(model_dir, tmp_path, [2, 4])
+def test_eval_of_a_runs_weight_versions(demo_model_dir: Path, tmp_path: Path, capsys) -> None:
+    run_dir = make_run(demo_model_dir, tmp_path, [2, 4])
     args = ("--run", str(run_dir), "--max-rows", "4")
     assert run_eval(*args) == 0  # latest, on the run's task's held-out split
     latest = json.loads(capsys.readouterr().out)
@@ -177,10 +168,10 @@ def test_eval_of_a_runs_weight_versions(model_dir: Path, tmp_path: Path, capsys)
     ],
 )
 def test_unusable_input_is_one_line_not_a_traceback(
-    model_dir: Path, tmp_path: Path, capsys, args: list[str], message: str
+    demo_model_dir: Path, tmp_path: Path, capsys, args: list[str], message: str
 ) -> None:
-    run_dir = make_run(model_dir, tmp_path, [1]) if "RUN" in args else None
-    args = [str(model_dir) if a == "MODEL" else str(run_dir) if a == "RUN" else a for a in args]
+    run_dir = make_run(demo_model_dir, tmp_path, [1]) if "RUN" in args else None
+    args = [str(demo_model_dir) if a == "MODEL" else str(run_dir) if a == "RUN" else a for a in args]
     capsys.readouterr()  # what building the run printed
     assert run_eval(*args) == 2
     err = capsys.readouterr().err

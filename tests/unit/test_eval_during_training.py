@@ -7,12 +7,8 @@ import json
 import time
 from pathlib import Path
 
-import pytest
-import torch
-
 from pipeline import monitor
 from pipeline.config import load_config, resolve
-from pipeline.demo_model import build_model, build_tokenizer
 from pipeline.evaluate import NO_EVAL_SET, Evaluator, rows_for_config
 from workers import runtime
 from workers.weights import unique_state_dict, write_version
@@ -20,15 +16,7 @@ from workers.weights import unique_state_dict, write_version
 EVAL_ROWS = [(12, 3), (40, 5), (99, 9), (10, 0), (55, 4)]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.set_num_threads(1)
-    path = tmp_path_factory.mktemp("model")
-    build_model(path, build_tokenizer(path), seed=0)
-    return path
-
-
-def own_jsonl_config(model_dir: Path, tmp_path: Path, *overrides: str):
+def own_jsonl_config(demo_model_dir: Path, tmp_path: Path, *overrides: str):
     """A run on rows of its own (reward math) with a held-out JSONL of its own."""
     rows = [json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) for a, b in EVAL_ROWS]
     (tmp_path / "train.jsonl").write_text("\n".join(rows) + "\n")
@@ -39,7 +27,7 @@ def own_jsonl_config(model_dir: Path, tmp_path: Path, *overrides: str):
             [
                 "name=run",
                 f"runs_dir={tmp_path}",
-                f"model.path={model_dir}",
+                f"model.path={demo_model_dir}",
                 f"data.source={tmp_path / 'train.jsonl'}",
                 f"data.eval_source={tmp_path / 'eval.jsonl'}",
                 "data.reward=math",
@@ -55,8 +43,8 @@ def trainer_line(writer: runtime.MetricsWriter, step: int) -> None:
     writer.write(step=step, reward_mean=0.1 * step, staleness_mean=1.0, staleness_max=2, tokens_per_s=100.0)
 
 
-def test_versions_are_scored_tagged_and_plotted(model_dir: Path, tmp_path: Path) -> None:
-    config = own_jsonl_config(model_dir, tmp_path, "eval.k=3")
+def test_versions_are_scored_tagged_and_plotted(demo_model_dir: Path, tmp_path: Path) -> None:
+    config = own_jsonl_config(demo_model_dir, tmp_path, "eval.k=3")
     run_dir = runtime.run_dir(config)
     run_dir.mkdir()
     evaluator = Evaluator.for_config(config)
@@ -89,8 +77,8 @@ def test_versions_are_scored_tagged_and_plotted(model_dir: Path, tmp_path: Path)
     assert (run_dir / "curves.png").stat().st_size > 10_000
 
 
-def test_greedy_only_summary_has_no_sampled_numbers(model_dir: Path, tmp_path: Path) -> None:
-    config = resolve(load_config(None, ["name=run", f"runs_dir={tmp_path}", f"model.path={model_dir}",
+def test_greedy_only_summary_has_no_sampled_numbers(demo_model_dir: Path, tmp_path: Path) -> None:
+    config = resolve(load_config(None, ["name=run", f"runs_dir={tmp_path}", f"model.path={demo_model_dir}",
                                         "eval.max_rows=6", "rollout.max_new_tokens=4"]))  # fmt: skip
     run_dir = runtime.run_dir(config)
     run_dir.mkdir()
@@ -103,7 +91,7 @@ def test_greedy_only_summary_has_no_sampled_numbers(model_dir: Path, tmp_path: P
     assert "eval_k" not in summary and "final_pass_at_1" not in summary
 
 
-def test_a_dataset_file_without_eval_source_has_no_evaluation(model_dir: Path, tmp_path: Path) -> None:
-    config = own_jsonl_config(model_dir, tmp_path, "data.eval_source=")
+def test_a_dataset_file_without_eval_source_has_no_evaluation(demo_model_dir: Path, tmp_path: Path) -> None:
+    config = own_jsonl_config(demo_model_dir, tmp_path, "data.eval_source=")
     assert rows_for_config(config) is None and Evaluator.for_config(config) is None
     assert "data.eval_source=" in NO_EVAL_SET
