@@ -147,7 +147,8 @@ def resolve(config: RunConfig) -> RunConfig:
 
     rollout.max_new_tokens 0 and model.warmup_steps null -> the task's defaults; model.dtype auto -> bfloat16 on
     CUDA, float32 on CPU; broker.fetch_wait_ms 0 -> 20 ms when trainer.max_staleness is 0 (every hop is on the
-    critical path of a synchronous step), else 200 ms; trainer.checkpoint.weights_dir '' -> <runs_dir>/<name>/weights, absolute.
+    critical path of a synchronous step), else 200 ms;
+    trainer.checkpoint.weights_dir '' -> <runs_dir>/<name>/weights, absolute.
     """
     broker, trainer, model, rollout = config.broker, config.trainer, config.model, config.rollout
     task = load_task_or_error(config.data.task)

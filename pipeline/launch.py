@@ -4,13 +4,12 @@ The launcher prepares the model (the demo builds and warms up its own), starts t
 embedded broker unless a bootstrap is configured, starts the workers as separate
 processes (`asyncrl worker <role>`), follows `metrics.jsonl` for the progress bar
 and the held-out evaluation, and stops everything when the trainer has made its
-last step, on Ctrl-C, or after `max_wall_s`.
+last step, on Ctrl-C or SIGTERM, when the embedded broker dies, or after `max_wall_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import importlib
 import importlib.util
 import json
@@ -18,15 +17,22 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from pipeline.config import ConfigError, load_config, resolve, save_config
 from schemas.config import RunConfig
+from topics.broker import die_with_parent
 from workers import runtime
+
+if TYPE_CHECKING:
+    from pipeline.evaluate import Evaluator
+    from topics.broker import EmbeddedBroker
 
 WORKER_MODULES = {
     "prompts": "workers.prompt_source",
@@ -35,6 +41,7 @@ WORKER_MODULES = {
     "trainer": "workers.trainer.worker",
 }
 STOP_ORDER = ("prompts", "rollout", "reward", "trainer")  # the trainer last: it checkpoints on stop
+BROKER_GONE_STOP_S = 5.0  # all workers at once: without a broker nothing flows, a delivery would wait 40 s
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are processes already
 
 
@@ -42,12 +49,6 @@ def run_worker(role: str, config: RunConfig) -> None:
     """The body of `asyncrl worker <role>`: run until done or SIGTERM."""
     module = importlib.import_module(WORKER_MODULES[role])
     runtime.run_until_stopped(lambda stop: module.main(resolve(config), stop))
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the launcher dies, so nothing is orphaned."""
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -63,14 +64,14 @@ class WorkerProcess:
     def start(self) -> None:
         worker = ["-m", "pipeline.cli", "worker", self.role, "--config", str(self.config_path)]
         if self.ranks > 1:  # torchrun forwards SIGTERM to its ranks and ends them all when one fails
-            worker = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.ranks}", *worker]
+            worker = ["-m", "pipeline.local_torchrun", f"--nproc-per-node={self.ranks}", *worker]  # on loopback
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, *worker],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
 
     def stop(self, timeout_s: float = 15.0) -> None:
@@ -90,16 +91,21 @@ class WorkerProcess:
 
 
 def new_run_dir(config: RunConfig) -> RunConfig:
-    """A fresh name `<name>-<time>` under runs_dir, linked as `<runs_dir>/latest`."""
+    """A fresh name `<name>-<time>` under runs_dir (linked as `latest` only once its config.yaml is written)."""
     runs = Path(config.runs_dir).resolve()
     name = f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     while (runs / name).exists():
         name += "x"
     (runs / name).mkdir(parents=True)
-    latest = runs / "latest"
-    latest.unlink(missing_ok=True)
-    latest.symlink_to(name)
     return msgspec.structs.replace(config, name=name, runs_dir=str(runs))
+
+
+def link_latest(run_dir: Path) -> None:
+    """`<runs_dir>/latest` -> run_dir, replaced in one rename: it never names a run without its config.yaml."""
+    link = run_dir.parent / f".latest-{os.getpid()}"
+    link.unlink(missing_ok=True)
+    link.symlink_to(run_dir.name)
+    link.replace(run_dir.parent / "latest")
 
 
 def check_dataset(config: RunConfig) -> None:
@@ -144,13 +150,16 @@ def check_wandb(config: RunConfig) -> None:
 
 
 def prepare(config: RunConfig, progress: bool = True) -> tuple[RunConfig, Path]:
-    """Everything workers need before they start: the model, the topics, `config.yaml`.
+    """Everything workers need before they start: the model (pre-flight checked), the run's key, the topics,
+    `config.yaml`.
 
     Idempotent for deployments (compose, Slurm): a run directory that already has
     its config.yaml keeps it (and its model); the topics are ensured every time.
     Returns the resolved config and its path.
     """
+    from pipeline.preflight import preflight
     from topics.admin import ensure_topics
+    from workers.announce import create_key
 
     run_dir = Path(config.runs_dir).resolve() / config.name
     config_path = run_dir / "config.yaml"
@@ -174,6 +183,8 @@ def prepare(config: RunConfig, progress: bool = True) -> tuple[RunConfig, Path]:
         )
         config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=str(model_dir)))
     config = resolve(config)
+    preflight(config)  # what would crash-loop the workers, as one line with the fix, before any starts
+    create_key(run_dir)  # once: the trainer signs every weight announcement with it (workers.announce)
     layout = runtime.topic_layout(config)  # every time: a broker may have lost its topics
     asyncio.run(ensure_topics(config.broker.bootstrap, layout.names, layout.partitions))
     save_config(config, config_path)
@@ -190,11 +201,142 @@ def export_topics_quietly(config: RunConfig, run_dir: Path) -> None:
         print(f"asyncrl: topics not exported ({exc})", file=sys.stderr)
 
 
+class RunStopped(KeyboardInterrupt):
+    """Raised in the launcher's main thread wherever it is (the warm-up included) by a stop signal or the
+    embedded broker's death, so that the run ends through the same cleanup as any other, without a traceback."""
+
+    def __init__(self, outcome: str, reason: str, exit_code: int):
+        super().__init__(reason)
+        self.outcome, self.reason, self.exit_code = outcome, reason, exit_code
+
+
+class StopSignals:
+    """SIGINT and SIGTERM while `asyncrl run` runs: the first one raises RunStopped (exit code 128 + N). Once
+    the cleanup has begun (`cleaning`) a signal only says so: a second Ctrl-C never cuts short the workers'
+    checkpoint, the summary or the topic export. `watch` makes the broker's death a RunStopped too."""
+
+    HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)  # SIGUSR1: sent by `watch`, the broker is gone
+
+    def __init__(self) -> None:
+        self.cleaning, self.stopped, self.broker_gone, self.watcher = False, None, "", None
+
+    def __enter__(self) -> StopSignals:
+        self.previous = {signum: signal.signal(signum, self.handle) for signum in self.HANDLED}
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.watcher is not None:  # ends with the broker, which the cleanup stopped: no SIGUSR1 after this
+            self.watcher.join(timeout=1)
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def handle(self, signum: int, frame: object) -> None:
+        if self.cleaning or self.stopped:  # os.write: print() may be mid-write in the interrupted code
+            os.write(2, b"asyncrl: already stopping; waiting for the checkpoint, the summary and the topic export\n")
+            return
+        if signum == signal.SIGUSR1:
+            self.stopped = RunStopped("failed", self.broker_gone, 1)
+        else:
+            self.stopped = RunStopped("stopped", f"{signal.Signals(signum).name} received", 128 + signum)
+        raise self.stopped
+
+    def watch(self, broker: EmbeddedBroker) -> None:
+        """A thread that sends the main thread SIGUSR1 when the broker exits before the cleanup stops it."""
+
+        def follow_broker() -> None:
+            while broker.running:
+                time.sleep(0.2)
+            if not self.cleaning:
+                tail = " | ".join(line for line in broker.log_tail().splitlines()[-3:] if line.strip())
+                self.broker_gone = (
+                    f"the embedded broker exited with code {broker.exit_code} ({broker.log_path}: {tail})"
+                )
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+
+        self.watcher = threading.Thread(target=follow_broker, name="broker-watch", daemon=True)
+        self.watcher.start()
+
+
+def stop_at_once(workers: list[WorkerProcess], timeout_s: float) -> None:
+    """SIGTERM to every worker together, SIGKILL to those still there `timeout_s` later."""
+    running = [w.process for w in workers if w.process is not None and w.process.poll() is None]
+    for process in running:
+        process.terminate()
+    deadline = time.monotonic() + timeout_s
+    for process in running:
+        try:
+            process.wait(max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@dataclass
+class LocalRun:
+    """What `asyncrl run` has started so far, so that whenever it stops it stops exactly that, in order."""
+
+    config: RunConfig
+    run_dir: Path
+    broker: EmbeddedBroker | None = None
+    workers: list[WorkerProcess] = field(default_factory=list)
+    config_path: Path | None = None  # set once config.yaml is written
+    evaluator: Evaluator | None = None
+    base_accuracy: float | None = None
+
+    def start(self, stops: StopSignals, eval_rows: list | None, progress: bool) -> None:
+        """The broker, the model and topics (config.yaml, then `latest`), the base evaluation, the workers."""
+        from pipeline import monitor
+        from pipeline.evaluate import NO_EVAL_SET, Evaluator
+        from topics.broker import EmbeddedBroker
+
+        if not self.config.broker.bootstrap:
+            self.broker = EmbeddedBroker(self.run_dir / "broker.log").start()
+            stops.watch(self.broker)
+            broker = msgspec.structs.replace(self.config.broker, bootstrap=self.broker.bootstrap)
+            self.config = msgspec.structs.replace(self.config, broker=broker)
+        self.config, self.config_path = prepare(self.config, progress)
+        link_latest(self.run_dir)
+        self.evaluator = Evaluator.for_config(self.config, eval_rows)
+        if self.evaluator is None:
+            print(NO_EVAL_SET, file=sys.stderr)
+        base = monitor.evaluate_version(self.config, self.run_dir, self.evaluator, 0) if self.evaluator else None
+        self.base_accuracy = base["heldout_accuracy"] if base else None
+        roles = ["trainer", "reward", "prompts"] + ["rollout"] * self.config.rollout.workers
+        for index, role in enumerate(roles):
+            ranks = self.config.trainer.ranks if role == "trainer" else 1
+            log_path = self.run_dir / "logs" / f"{role}-{index}.stdout"
+            self.workers.append(WorkerProcess(role, index, self.config_path, log_path, ranks))
+            self.workers[-1].start()
+
+    def stop(self) -> None:
+        """The workers in STOP_ORDER (the trainer last: it checkpoints), the topics' export, then the broker."""
+        if self.broker is not None and not self.broker.running:
+            stop_at_once(self.workers, BROKER_GONE_STOP_S)
+        for role in STOP_ORDER:
+            for worker in self.workers:
+                if worker.role == role:
+                    worker.stop()
+        if self.broker is not None:
+            if self.broker.running and self.config_path:  # a dead broker took its topics with it
+                export_topics_quietly(self.config, self.run_dir)  # the broker keeps them in memory only
+            self.broker.stop()
+
+
 def run_pipeline(config: RunConfig, progress: bool = True) -> int:
+    """`asyncrl run`: 0 once finished, 128 + N after signal N (Ctrl-C 130, SIGTERM 143), else 1."""
+    with StopSignals() as stops:
+        try:
+            return run_locally(config, progress, stops)
+        except RunStopped as stop:  # before the run directory had anything to stop
+            print(f"asyncrl: {stop.reason} before the run started", file=sys.stderr)
+            return stop.exit_code
+
+
+def run_locally(config: RunConfig, progress: bool, stops: StopSignals) -> int:
+    """Checks, a run directory, the run started and followed, then always stopped in order and reported."""
     from pipeline import monitor
-    from pipeline.evaluate import NO_EVAL_SET, Evaluator, rows_for_config
+    from pipeline.evaluate import rows_for_config
     from pipeline.export_model import export_final
-    from topics.broker import EmbeddedBroker
 
     started = time.time()
     check_dataset(config)
@@ -205,34 +347,26 @@ def run_pipeline(config: RunConfig, progress: bool = True) -> int:
     print(f"asyncrl: run directory {run_dir}", file=sys.stderr)
     # before the broker and the model: a W&B problem (no login) shows at once; W&B gets the config as given
     wandb_stream = monitor.WandbStream(config, run_dir) if config.telemetry.wandb_project else None
-    broker, workers = None, []
+    run, stopped = LocalRun(config, run_dir), None
     try:
-        if not config.broker.bootstrap:
-            broker = EmbeddedBroker(run_dir / "broker.log").start()
-            config = msgspec.structs.replace(
-                config, broker=msgspec.structs.replace(config.broker, bootstrap=broker.bootstrap)
-            )
-        config, config_path = prepare(config, progress)
-        evaluator = Evaluator.for_config(config, eval_rows)
-        if evaluator is None:
-            print(NO_EVAL_SET, file=sys.stderr)
-        base = monitor.evaluate_version(config, run_dir, evaluator, 0) if evaluator else None
-        base_accuracy = base["heldout_accuracy"] if base else None
-        roles = ["trainer", "reward", "prompts"] + ["rollout"] * config.rollout.workers
-        for index, role in enumerate(roles):
-            ranks = config.trainer.ranks if role == "trainer" else 1
-            workers.append(WorkerProcess(role, index, config_path, run_dir / "logs" / f"{role}-{index}.stdout", ranks))
-            workers[-1].start()
-        outcome = monitor.follow(config, run_dir, workers, evaluator, base_accuracy, started, progress, wandb_stream)
+        run.start(stops, eval_rows, progress)
+        outcome = monitor.follow(
+            run.config, run_dir, run.workers, run.evaluator, run.base_accuracy, started, progress, wandb_stream
+        )
+    except RunStopped as stop:
+        stopped, outcome = stop, stop.outcome
+        before = "" if run.config_path else " before config.yaml was written (runs/latest left as it was)"
+        what = "stopping every worker" if run.workers else "stopping"
+        print(f"asyncrl: {stop.reason}{before}; {what}; run directory {run_dir}", file=sys.stderr)
     finally:
-        for role in STOP_ORDER:
-            for worker in workers:
-                if worker.role == role:
-                    worker.stop()
-        if broker is not None:
-            export_topics_quietly(config, run_dir)  # the broker keeps them in memory only
-            broker.stop()
-    summary = monitor.finish(config, run_dir, evaluator, base_accuracy, outcome, started, wandb_stream)
+        stops.cleaning = True
+        run.stop()
+    if run.config_path is None:  # stopped while preparing: nothing ran, there is nothing to report
+        return stopped.exit_code
+    reason = stopped.reason if stopped else None
+    summary = monitor.finish(
+        run.config, run_dir, run.evaluator, run.base_accuracy, outcome, started, wandb_stream, reason
+    )
     summary = export_final(run_dir, summary)  # <run dir>/final-model, as summary.json's exported_model
     print(json.dumps(summary, indent=2))
-    return 0 if outcome == "finished" else 1
+    return stopped.exit_code if stopped else 0 if outcome == "finished" else 1

@@ -12,6 +12,8 @@ TensorBoard) is built from the file alone, so it can be rebuilt for any run dire
 from __future__ import annotations
 
 import json
+import os
+import re
 import time
 from pathlib import Path
 
@@ -22,9 +24,12 @@ from pipeline.config import ConfigError
 from pipeline.evaluate import Evaluator, percentile, write_rows
 from schemas.config import RunConfig
 from workers import runtime
+from workers.reward.budget import EXIT_CODE as REWARD_BUDGET_EXIT
 from workers.weights import version_path
 
 MAX_RESTARTS = 3  # per worker; a worker that keeps failing ends the run as "failed"
+ERROR_TAIL_LINES = 8  # of a failed worker's log, on the console
+EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)(:|$)")  # a traceback's last line
 EVAL_KEYS = ("n", "k", "pass_at_1", "pass_at_k", "maj_at_k", "length_p50", "length_p90")  # beside the accuracy
 
 
@@ -101,15 +106,55 @@ def evaluate_version(config: RunConfig, run_dir: Path, evaluator: Evaluator, ver
     return line
 
 
+def failure_report(worker, code: int) -> str:
+    """Why a worker gave up, on the console: the exception line and the end of its log (all of it in the file)."""
+    try:
+        with open(worker.log_path, "rb") as log:
+            log.seek(max(0, log.seek(0, os.SEEK_END) - 16_000))
+            tail = [line[:240] for line in log.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        tail = []
+    error = next((line for line in reversed(tail) if EXCEPTION_LINE.match(line)), "no exception line in its log")
+    head = f"asyncrl: {worker.name} failed {worker.restarts + 1} times (exit {code}): {error}"
+    return "\n".join(
+        [head, *(f"    {line}" for line in tail[-ERROR_TAIL_LINES:]), f"    (all of it: {worker.log_path})"]
+    )
+
+
+def reward_verdict(lines: list[dict]) -> str | None:
+    """Why the reward worker stopped the run (its failure budget was spent), from its last metrics line."""
+    return next((l["stopped"] for l in reversed(lines) if l["source"] == "reward" and "stopped" in l), None)
+
+
+def budget_spent(run_dir: Path, workers: list, codes: list[int | None]) -> str | None:
+    """The reward worker's verdict once it exited on its failure budget: no restart, it would fail alike."""
+    if not any(w.role == "reward" and code == REWARD_BUDGET_EXIT for w, code in zip(workers, codes, strict=True)):
+        return None
+    verdict = reward_verdict(read_metrics(run_dir / "metrics.jsonl")[0])
+    return f"asyncrl: {verdict or 'the reward function failed too often (reward.max_failure_rate)'}; stopping"
+
+
+def reward_summary(lines: list[dict]) -> dict:
+    """The reward workers' counts (each one's last line, summed): calls, failures by kind, unscorable segments."""
+    last = {l["worker"]: l for l in lines if l["source"] == "reward"}.values()
+    failures: dict[str, int] = {}
+    for line in last:
+        for kind, count in line["reward_failures"].items():
+            failures[kind] = failures.get(kind, 0) + count
+    return {
+        "reward_calls": sum(l["reward_calls"] for l in last),
+        "reward_failures": failures,
+        "unscorable_segments": sum(l["unscorable_segments"] for l in last),
+    }
+
+
 def restart_exited(workers: list, codes: list[int | None], bar: tqdm) -> bool:
     """Restart every worker that ended before its time; False once one has used up its restarts."""
     for worker, code in zip(workers, codes, strict=True):
         # other workers end with 0 only when the final weights are out (or on a stop): done, not failed
         if code is not None and (code != 0 or worker.role == "trainer"):
             if worker.restarts >= MAX_RESTARTS:
-                bar.write(
-                    f"asyncrl: {worker.name} failed {worker.restarts + 1} times (exit {code}); see {worker.log_path}"
-                )
+                bar.write(failure_report(worker, code))
                 return False
             bar.write(f"asyncrl: {worker.name} exited with {code}; restarting it")
             worker.restarts += 1
@@ -127,7 +172,7 @@ def follow(
     progress: bool,
     wandb_stream: WandbStream | None = None,
 ) -> str:
-    """Until the trainer's last step: 'finished', 'interrupted' (Ctrl-C), 'timeout' or 'failed'."""
+    """Until the trainer's last step: 'finished', 'timeout' or 'failed' (a stop signal raises through it)."""
     metrics_path = run_dir / "metrics.jsonl"
     accuracy = base_accuracy  # the base line itself was written by `evaluate_version(..., 0)`
     bar = tqdm(total=config.trainer.steps, desc="asyncrl", unit="step", disable=not progress, dynamic_ncols=True)
@@ -157,15 +202,15 @@ def follow(
                 code == 0 for w, code in zip(workers, codes, strict=True) if w.role == "trainer"
             ):
                 return "finished"
+            if verdict := budget_spent(run_dir, workers, codes):
+                bar.write(verdict)
+                return "failed"
             if not restart_exited(workers, codes, bar):
                 return "failed"
             if config.max_wall_s and time.time() - started > config.max_wall_s:
                 bar.write(f"asyncrl: max_wall_s={config.max_wall_s} reached, stopping")
                 return "timeout"
             time.sleep(0.2)
-    except KeyboardInterrupt:
-        bar.write("asyncrl: interrupted, stopping every worker")
-        return "interrupted"
     finally:
         bar.close()
 
@@ -197,8 +242,10 @@ def finish(
     outcome: str,
     started: float,
     wandb_stream: WandbStream | None = None,
+    reason: str | None = None,
 ) -> dict:
-    """Final evaluation, then summary.json, curves.png, TensorBoard events and the W&B run's summary."""
+    """Final evaluation, then summary.json (`reason`: why a run stopped or failed, when the launcher knows),
+    curves.png, TensorBoard events and the W&B run's summary."""
     lines, _ = read_metrics(run_dir / "metrics.jsonl")
     steps = [l for l in lines if l["source"] == "trainer"]
     last = steps[-1] if steps else {}
@@ -207,6 +254,7 @@ def finish(
     summary = {
         "run": config.name,
         "outcome": outcome,
+        "reason": reason or reward_verdict(lines),
         "base_accuracy": base_accuracy,
         "final_accuracy": final["heldout_accuracy"] if final else None,
         **sampled_eval_summary(base, final),
@@ -220,6 +268,8 @@ def finish(
         "mixed_version_trajectories": last.get("mixed_version_trajectories", 0),
         "groups_consumed": last.get("groups_consumed", 0),
         "groups_dropped": last.get("groups_dropped", 0),
+        "skipped_steps": last.get("skipped_steps", 0),
+        **reward_summary(lines),
         "trained_tokens_per_s": last.get("tokens_per_s", 0.0),
         "wall_seconds": round(time.time() - started, 1),
     }

@@ -168,8 +168,8 @@ def pretty(replayed: Replayed) -> str:
         f"{replayed.topic} partition {record.partition} offset {record.offset}  {when}  "
         f"key={_text(record.key)!r}  {_schema_name(message)}"
     )
-    if isinstance(message, DecodeError):
-        return f"{heading}\n  undecodable: {message}"
+    if isinstance(message, DecodeError):  # one line whatever the bytes were: the reason, never a traceback
+        return f"{heading}: {' '.join(str(message).split())}"
     fields = msgspec.to_builtins(message)
     return "\n".join([heading, *(f"  {name}: {_cut(json.dumps(value))}" for name, value in fields.items())])
 

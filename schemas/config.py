@@ -103,8 +103,32 @@ class RolloutConfig(Section):
 
 class RewardConfig(Section):
     processes: Annotated[int, doc("size of the scoring process pool", ge=1)] = 1
+    max_processes: Annotated[
+        int,
+        doc(
+            "while a call runs longer than a quarter of timeout_s (it may be hung), the calls waiting behind it "
+            "get spare scoring processes, up to this many processes in all (spares end when no call waits), so "
+            "hung calls time out together; at most reward.processes are kept otherwise",
+            ge=1,
+        ),
+    ] = 8
     timeout_s: Annotated[float, doc("per-call scoring time limit; a timeout is a failure reward", gt=0)] = 10.0
-    failure_reward: Annotated[float, doc("reward given when scoring raises or times out")] = 0.0
+    failure_reward: Annotated[
+        float,
+        doc("reward given when scoring raises, times out or returns no finite number within ±1e6", ge=-1e6, le=1e6),
+    ] = 0.0
+    max_failure_rate: Annotated[
+        float,
+        doc(
+            "the reward worker stops the run when more than this share of the last reward.failure_window calls "
+            "of the reward function failed (raised, timed out, returned no reward); 1 = never",
+            ge=0,
+            le=1,
+        ),
+    ] = 0.5
+    failure_window: Annotated[
+        int, doc("reward function calls over which reward.max_failure_rate is measured (once that many ran)", ge=1)
+    ] = 200
 
 
 class OptimConfig(Section):

@@ -160,13 +160,23 @@ M = TypeVar("M", bound=Message)
 
 
 def decode(data: bytes, cls: type[M]) -> M:
-    """Decode `data` as `cls`, or raise DecodeError saying what is wrong."""
+    """Decode `data` as `cls`, or raise DecodeError saying what is wrong (`schemas.validate` for the values).
+
+    Nothing else escapes: bytes off a topic are anyone's, and a worker dead-letters a DecodeError.
+    """
+    from schemas.validate import problems  # it imports this module
+
     try:
         message = _DECODERS[cls].decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise DecodeError(f"not a valid {cls.__name__} message: {exc}") from exc
+    except Exception as exc:  # invalid UTF-8 in a string (UnicodeDecodeError), deep nesting, ...
+        raise DecodeError(f"not a valid {cls.__name__} message: {type(exc).__name__}: {exc}") from exc
     if message.schema_version != SCHEMA_VERSION:
         raise DecodeError(
             f"{cls.__name__} has schema_version {message.schema_version}, this build reads {SCHEMA_VERSION}"
         )
+    if found := problems(message):
+        more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+        raise DecodeError(f"not a valid {cls.__name__} message: {'; '.join(found[:3])}{more}")
     return message

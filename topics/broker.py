@@ -7,6 +7,7 @@ use Apache Kafka instead, so nothing else in the project may depend on Tansu.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -106,6 +107,7 @@ class EmbeddedBroker:
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "NO_COLOR": "1"},
                 start_new_session=True,
+                preexec_fn=die_with_parent,  # a SIGKILLed parent leaves no broker behind
             )
         self._port = port
         try:
@@ -189,6 +191,14 @@ def serve_forever(port: int | None, log_path: str | os.PathLike[str]) -> None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def die_with_parent() -> None:
+    """In a child, before exec: SIGTERM when the thread that started it ends (PR_SET_PDEATHSIG), however it
+    ends, SIGKILL included, so nothing is orphaned. Start children from the main thread: the signal follows
+    the forking thread, not the process. The launcher gives it to its workers too."""
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _free_port() -> int:

@@ -5,12 +5,13 @@ Messages and topic roles ("prompts"), never broker names or client objects. The
 rules every worker used to write by hand live here, once:
 
 - an inbox decodes each record; bytes that do not decode go to `dead-letter` with
-  the reason (delivery awaited) and count as processed;
+  the reason (delivery awaited) and count as processed, and so does a decoded
+  message its worker rejects (`Inbox.reject`: a check needing the worker's context);
 - a worker marks a delivery `done` once everything it caused is sent; `commit`
   then flushes the outbox and commits, per partition, up to the first delivery
   not yet done, at most once per commit period, so a restarted worker re-reads
   exactly what was still in flight;
-- `WeightsFollower` keeps the newest announced weight version.
+- `WeightsFollower` keeps the newest announced weight version its worker accepts.
 
 Two implementations: `topics.kafka.KafkaTransport` (aiokafka, any Kafka-protocol
 broker) and `topics.memory.MemoryTransport` (one process, for unit tests of worker
@@ -21,8 +22,9 @@ their `RecordSource` and `RecordSink`.
 from __future__ import annotations
 
 import abc
+import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, Protocol, TypeVar
@@ -63,6 +65,7 @@ class Delivery(Generic[M]):
     partition: int
     offset: int
     headers: RawHeaders
+    value: bytes  # the record's bytes as they came: what `Inbox.reject` dead-letters
 
     def trace(self) -> otel_context.Context:
         """The trace context its producer sent along (empty if none)."""
@@ -172,12 +175,18 @@ class Inbox(Generic[M]):
                 await self._dead_letter(raw, str(error))
                 self.commits.finished(raw.partition, raw.offset)
                 continue
-            deliveries.append(Delivery(message, raw.partition, raw.offset, raw.headers))
+            deliveries.append(Delivery(message, raw.partition, raw.offset, raw.headers, raw.value or b""))
         return deliveries
 
     def done(self, delivery: Delivery) -> None:
         """Everything `delivery` caused is sent (or it needed nothing): its offset may be committed."""
         self.commits.finished(delivery.partition, delivery.offset)
+
+    async def reject(self, delivery: Delivery[M], reason: str) -> None:
+        """Dead-letter a decoded delivery a worker cannot use (a check of its own context failed), with its
+        bytes and the reason; it then counts as processed, like bytes that do not decode."""
+        await self._dead_letter(delivery, reason)
+        self.done(delivery)
 
     async def commit(self, *, now: bool = False) -> None:
         """Flush the outbox, then commit what is done; at most once per commit period unless `now`."""
@@ -188,7 +197,7 @@ class Inbox(Generic[M]):
             await self.source.commit(offsets)
         self._last_commit = time.monotonic()
 
-    async def _dead_letter(self, raw: RawRecord, reason: str) -> None:
+    async def _dead_letter(self, raw: RawRecord | Delivery, reason: str) -> None:
         letter = DeadLetter(
             origin=self.origin,
             source=self.outbox.layout.name(self.role),
@@ -200,24 +209,35 @@ class Inbox(Generic[M]):
         await self.outbox.dead_letter(letter, {name: value for name, value in raw.headers if name != SCHEMA_HEADER})
 
 
-class WeightsFollower:
-    """Follows `weights`: the newest announcement seen (by version, then by groups dropped)."""
+WeightsCheck = Callable[[Delivery[WeightVersion]], str | None]  # why a worker refuses an announcement, or None
 
-    def __init__(self, inbox: Inbox[WeightVersion]):
-        self.inbox = inbox
+
+class WeightsFollower:
+    """Follows `weights`: the newest announcement seen (by version, then by groups dropped) that `check`
+    accepts. `check` (the worker's: signature, file) runs in a thread, newest first, only on what would
+    become the newest: an older announcement is superseded unread. A refused one goes to `dead-letter`
+    with the reason and the follower keeps what it had."""
+
+    def __init__(self, inbox: Inbox[WeightVersion], check: WeightsCheck | None = None):
+        self.inbox, self.check = inbox, check
         self.latest: WeightVersion | None = None
 
     async def poll(self, timeout_s: float = 0.0) -> WeightVersion | None:
-        """Read what was announced since the last call; the newest announcement so far (None before any)."""
-        for delivery in await self.inbox.poll(timeout_s):
-            announced = delivery.message
-            if self.latest is None or (announced.version, announced.groups_dropped) > (
-                self.latest.version,
-                self.latest.groups_dropped,
-            ):
-                self.latest = announced
-            self.inbox.done(delivery)
+        """Read what was announced since the last call; the newest accepted announcement so far (None before any)."""
+        for delivery in sorted(await self.inbox.poll(timeout_s), key=lambda d: _rank(d.message), reverse=True):
+            if self.latest is not None and _rank(delivery.message) <= _rank(self.latest):
+                self.inbox.done(delivery)
+            elif self.check and (problem := await asyncio.to_thread(self.check, delivery)):
+                await self.inbox.reject(delivery, problem)
+            else:
+                self.latest = delivery.message
+                self.inbox.done(delivery)
         return self.latest
+
+
+def _rank(announced: WeightVersion) -> tuple[int, int]:
+    """Newer weights first; the same version re-announced with more groups dropped is newer too."""
+    return announced.version, announced.groups_dropped
 
 
 class TopicRecord(NamedTuple):

@@ -9,7 +9,7 @@ to `model.dtype` (`cast_floating`), so a rollout worker loads exactly what it ru
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TEMPLATES = ("raw", "chat")
@@ -28,6 +28,11 @@ def torch_dtype(dtype: str) -> torch.dtype:
 def load_causal_lm(path: str, dtype: str = "float32", device: str = "cpu") -> PreTrainedModel:
     """A Hugging Face causal LM from a local directory, in `dtype` (a resolved model.dtype), on `device`."""
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype)).to(torch.device(device))
+
+
+def context_positions(path: str) -> int | None:
+    """The most tokens (prompt + completion) the model at `path` can hold, from its config; None if it says none."""
+    return getattr(AutoConfig.from_pretrained(path).get_text_config(), "max_position_embeddings", None)
 
 
 def compute_dtype(dtype: str, device: str) -> torch.dtype:

@@ -12,17 +12,18 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from schemas.config import RunConfig
 from schemas.messages import DeadLetter, PromptGroup, WeightVersion
 from topics.tracing import trace_headers
 from topics.transport import Outbox, Transport, WeightsFollower
 from workers import runtime
-from workers.models import check_chat_template, encode_prompt
+from workers.announce import AnnouncementCheck, load_key
+from workers.models import check_chat_template, context_positions, encode_prompt
 from workers.staleness import may_release
 from workers.tasks import Problem, load_task
 
@@ -33,6 +34,7 @@ class Row:
     prompt: str
     answer: str
     metadata: dict[str, str]
+    line: int = 0  # 1-based line of its file (a task's rows: position + 1), for dead-letters
 
 
 class BadRow(ValueError):
@@ -51,7 +53,7 @@ def load_rows(config: RunConfig) -> tuple[list[Row], list[BadRow]]:
 
 def rows_of(problems: list[Problem]) -> list[Row]:
     """A task's problems as dataset rows, indexed in their order."""
-    return [Row(i, p.prompt, p.answer, dict(p.metadata)) for i, p in enumerate(problems)]
+    return [Row(i, p.prompt, p.answer, dict(p.metadata), line=i + 1) for i, p in enumerate(problems)]
 
 
 def read_rows(path: str | Path) -> tuple[list[Row], list[BadRow]]:
@@ -68,7 +70,7 @@ def read_rows(path: str | Path) -> tuple[list[Row], list[BadRow]]:
         if not line.strip():
             continue
         try:
-            rows.append(parse_row(len(rows), line))
+            rows.append(replace(parse_row(len(rows), line), line=number))
         except ValueError as exc:
             bad.append(BadRow(number, line, str(exc)))
     return rows, bad
@@ -88,6 +90,43 @@ def parse_row(index: int, line: str) -> Row:
     if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
         raise ValueError("field 'answer' must be a string or a number")
     return Row(index, prompt, str(answer), {k: v if isinstance(v, str) else json.dumps(v) for k, v in data.items()})
+
+
+def prompt_problem(
+    config: RunConfig, tokenizer: PreTrainedTokenizerBase, positions: int | None, text: str
+) -> str | None:
+    """Why a prompt cannot be trained on, or None: it would lose characters the tokenizer cannot represent
+    (silently, or as unknown tokens), or leave no room for rollout.max_new_tokens within the model's positions
+    (the rollout would cut it short, a model with learned positions would fail in the trainer)."""
+    data, room = config.data, config.rollout.max_new_tokens
+    given_back = tokenizer.decode(
+        tokenizer(text, add_special_tokens=False)["input_ids"],
+        skip_special_tokens=True,
+        clean_up_tokenization_spaces=False,
+    )
+    if given_back != text:
+        lost = [c for c in dict.fromkeys(text) if c not in given_back][:5]
+        what = ", ".join(map(repr, lost)) if lost else f"the text (it decodes to {given_back[:40]!r})"
+        return f"the tokenizer cannot represent {what}: the prompt would not be what the row says"
+    ids = encode_prompt(tokenizer, text, data.template, data.system_prompt)
+    if not ids:
+        return "the prompt tokenises to nothing"
+    if positions is not None and len(ids) + room > positions:
+        return f"prompt of {len(ids)} tokens + rollout.max_new_tokens={room} exceeds the model's {positions} positions"
+    return None
+
+
+def fit_rows(config: RunConfig, tokenizer: PreTrainedTokenizerBase, rows: list[Row]) -> tuple[list[Row], list[BadRow]]:
+    """The rows whose prompts the model can take (`prompt_problem`), indexed anew, and the others as bad rows
+    with their line numbers: the prompt source dead-letters them, the pre-flight counts them."""
+    positions = context_positions(config.model.path)
+    fit, bad = [], []
+    for row in rows:
+        if problem := prompt_problem(config, tokenizer, positions, row.prompt):
+            bad.append(BadRow(row.line, row.prompt, problem))
+        else:
+            fit.append(replace(row, index=len(fit)))
+    return fit, bad
 
 
 def epoch_order(n_rows: int, epoch: int, seed: int) -> list[int]:
@@ -174,13 +213,15 @@ class Source:
 async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | None = None) -> None:
     ctx = runtime.WorkerContext.start(config, "prompts", transport)
     rows, bad = load_rows(config)
+    rows, unfit = fit_rows(config, AutoTokenizer.from_pretrained(config.model.path), rows)
+    bad = sorted(bad + unfit, key=lambda row: row.line)
     released = [
         r.message for r in await ctx.transport.read_all("prompts", PromptGroup) if isinstance(r.message, PromptGroup)
     ]
     source = Source(config, rows, released)
     ctx.log.info("prompt source started", rows=len(rows), bad_rows=len(bad), already_released=source.released)
     async with ctx.transport.outbox() as outbox, ctx.transport.weights_follower(outbox, origin=ctx.id) as inbox:
-        weights = WeightsFollower(inbox)
+        weights = WeightsFollower(inbox, AnnouncementCheck(load_key(ctx.run_dir)))  # signed, file whole
         for row in bad if not released else ():  # a restarted source sent them already
             letter = DeadLetter(
                 origin=ctx.id, source=config.data.source, reason=str(row), payload=row.text.encode(), offset=row.line

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -133,12 +134,19 @@ def configure_tracing(config: RunConfig, role: str) -> None:
     trace.set_tracer_provider(provider)
 
 
+ORPHAN_GRACE_S = 5.0  # how long a worker whose launcher died may take to stop: no one will SIGKILL it
+
+
 def run_until_stopped(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
     """Run `main(stop)` with SIGTERM/SIGINT setting `stop`, so a worker ends its loop cleanly.
 
     The handlers are process-wide (not the loop's), so a signal that arrives while
     the worker is already on its way out is still absorbed rather than killing it.
+    A worker whose parent is gone (a SIGKILLed launcher sends SIGTERM through
+    PR_SET_PDEATHSIG) exits ORPHAN_GRACE_S after the signal at the latest: its
+    broker may have died with the launcher, and a delivery would wait 40 s for it.
     """
+    parent = os.getppid()
 
     async def wrapper() -> None:
         stop = asyncio.Event()
@@ -147,6 +155,10 @@ def run_until_stopped(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
         def request_stop(signum, frame) -> None:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(stop.set)
+            if os.getppid() != parent:
+                deadline = threading.Timer(ORPHAN_GRACE_S, os._exit, (1,))
+                deadline.daemon = True  # a worker that ends in time exits at once
+                deadline.start()
 
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, request_stop)

@@ -41,6 +41,15 @@ class WeightsError(ValueError):
     """A weight file that is missing or does not match its announced hash."""
 
 
+class NonFiniteWeights(ValueError):
+    """Weights holding NaN or inf: never published, since every reader would generate garbage from them."""
+
+
+def non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors holding a NaN or an inf."""
+    return [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
 def file_hash(path: Path) -> str:
     """sha256 of a file, read in chunks (a version can be many GB)."""
     digest = hashlib.sha256()
@@ -68,7 +77,10 @@ def version_path(weights_dir: Path, version: int) -> Path:
 
 def write_version(tensors: dict[str, torch.Tensor], weights_dir: Path, version: int, keep: int) -> tuple[Path, str]:
     """Write the whole weights (`unique_state_dict`, or FSDP2's gathered `full_state_dict`) as version
-    `version`, atomically; delete all but the newest `keep`. Returns (path, sha256)."""
+    `version`, atomically; delete all but the newest `keep`. Returns (path, sha256).
+    NonFiniteWeights, with nothing written, when a tensor holds NaN or inf."""
+    if bad := non_finite(tensors):
+        raise NonFiniteWeights(f"weights v{version} not published: NaN or inf in {len(bad)} tensors ({bad[0]}, ...)")
     weights_dir.mkdir(parents=True, exist_ok=True)
     final = version_path(weights_dir, version)
     partial = final.with_suffix(".partial")
@@ -86,13 +98,17 @@ def read_version(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_into(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    """Copy weights in place; only names tied to a loaded tensor may be absent."""
-    missing, unexpected = model.load_state_dict(state_dict, strict=False)
-    tied = {name for name in missing if _is_tied(model, name, state_dict)}
-    if unexpected or set(missing) - tied:
-        raise ValueError(
-            f"weights do not match the model: missing {sorted(set(missing) - tied)}, unexpected {unexpected}"
-        )
+    """Copy weights in place; only names tied to a loaded tensor may be absent. All or nothing: names and
+    shapes are checked before anything is copied, so a file that does not fit leaves the model as it was."""
+    params = model.state_dict()
+    missing = [name for name in params if name not in state_dict and not _is_tied(model, name, state_dict)]
+    unexpected = [name for name in state_dict if name not in params]
+    if unexpected or missing:
+        raise ValueError(f"weights do not match the model: missing {sorted(missing)}, unexpected {unexpected}")
+    shapes = [name for name, t in state_dict.items() if t.shape != params[name].shape]
+    if shapes:
+        raise ValueError(f"weights do not match the model: {len(shapes)} tensors of another shape ({shapes[0]}, ...)")
+    model.load_state_dict(state_dict, strict=False)
 
 
 def _is_tied(model: torch.nn.Module, name: str, state_dict: dict[str, torch.Tensor]) -> bool:

@@ -37,7 +37,7 @@ def run_to_end(config: RunConfig, progress: bool) -> Path | None:
 
     if run_pipeline(config, progress=progress) != 0:
         return None
-    return (Path(config.runs_dir) / "latest").resolve()  # new_run_dir links the run it made as `latest`
+    return (Path(config.runs_dir) / "latest").resolve()  # the launcher links the run it made as `latest`
 
 
 def task_config(task: str, overrides: list[str]) -> RunConfig:

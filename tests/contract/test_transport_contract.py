@@ -37,7 +37,9 @@ def group(n: int) -> PromptGroup:
 
 
 def version(v: int, dropped: int = 0) -> WeightVersion:
-    return WeightVersion(version=v, uri=f"/w/{v}", content_hash="h", step=v, groups_consumed=0, groups_dropped=dropped)
+    return WeightVersion(
+        version=v, uri=f"/w/{v}", content_hash="ab" * 32, step=v, groups_consumed=0, groups_dropped=dropped
+    )
 
 
 @pytest.fixture(params=["memory", "kafka"])

@@ -213,7 +213,7 @@ def test_ctrl_c_stops_every_process(tmp_path):
     bootstrap = yaml.safe_load(Path(run_dir, "config.yaml").read_text())["broker"]["bootstrap"]
     assert _processes_mentioning(f"tcp://{bootstrap}") == []  # the run's own embedded broker
     summary = json.loads(Path(run_dir, "summary.json").read_text())
-    assert summary["outcome"] == "interrupted"
+    assert summary["outcome"] == "stopped"
     # the embedded broker's topics outlive it in the run directory, for replay
     exported = load_export(Path(run_dir, "topics.export"))
     assert len(exported.records["batches"]) >= 1 and len(exported.records["scored"]) >= GROUPS * SAMPLES

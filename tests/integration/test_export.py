@@ -38,7 +38,7 @@ async def fill(bootstrap: str, layout: TopicLayout) -> None:
         for delivery in queued:
             await delivery
         await send_and_wait(producer, layout.name(WEIGHTS), WeightVersion(
-            version=1, uri="/w/1", content_hash="ab", step=1, groups_consumed=2, groups_dropped=0,
+            version=1, uri="/w/1", content_hash="ab" * 32, step=1, groups_consumed=2, groups_dropped=0,
         ))  # fmt: skip
         manifest = BatchManifest(step=1, trainer_version=0, trajectory_ids=[], scored_offsets=[], consumed_offsets=[])
         await send_and_wait(producer, layout.name(BATCHES), manifest, key=1)

@@ -4,11 +4,12 @@ import asyncio
 import json
 
 from pipeline.config import load_config, resolve
-from pipeline.demo_model import build_tokenizer
+from pipeline.demo_model import build_model, build_tokenizer
 from schemas.messages import DeadLetter, PromptGroup, WeightVersion
 from topics.clients import make_producer, send_and_wait
 from topics.readers import read_topic
 from workers import prompt_source
+from workers.weights import unique_state_dict, write_version
 
 ROWS = [
     json.dumps({"prompt": "1+2=", "answer": "3"}),
@@ -46,6 +47,7 @@ async def test_rows_window_and_restart(broker, topic_layout, tmp_path):
     data = tmp_path / "rows.jsonl"
     data.write_text("\n".join(ROWS) + "\n")
     tokenizer = build_tokenizer(tmp_path / "model")
+    model = build_model(tmp_path / "model", tokenizer)  # the source reads its positions; v1 is a real file
     config = resolve(
         load_config(
             None,
@@ -75,11 +77,12 @@ async def test_rows_window_and_restart(broker, topic_layout, tmp_path):
     assert {l.payload for l in letters} == {ROWS[1].encode(), ROWS[3].encode(), ROWS[6].encode()}
 
     # the trainer moves to version 1 and drops one group: two more batches' worth of room (2 + 1)
+    path, digest = write_version(unique_state_dict(model), tmp_path / "weights", 1, keep=2)
     async with make_producer(broker.bootstrap) as producer:
         await send_and_wait(
             producer,
             topic_layout.name("weights"),
-            WeightVersion(version=1, uri="", content_hash="", step=1, groups_consumed=2, groups_dropped=1),
+            WeightVersion(version=1, uri=str(path), content_hash=digest, step=1, groups_consumed=2, groups_dropped=1),
         )
     # a restarted source continues after what `prompts` holds instead of re-releasing
     groups = await run_source_until(config, lambda: released(broker.bootstrap, topic_layout, 5))

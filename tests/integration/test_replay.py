@@ -177,8 +177,8 @@ async def rescore_config(broker: EmbeddedBroker, run_config: Path, run_topics: T
     ])  # fmt: skip
     await produce(broker.bootstrap, run_topics, SCORED, [
         ("p/0", scored("p/0/0", [3, 4], 1.0)),
-        ("p/0", msgspec.structs.replace(scored("p/0/2", [4], 0.5), completion_text="raise")),
-        ("p/0", msgspec.structs.replace(scored("p/0/3", [4], 0.0), finish_reason="error",
+        ("p/0", msgspec.structs.replace(scored("p/0/2", [4], 0.5), completion_text="raise", n_samples=4)),
+        ("p/0", msgspec.structs.replace(scored("p/0/3", [4], 0.0), finish_reason="error", n_samples=4,
                                         reward_details={"error": "engine died"})),
         ("p/1", msgspec.structs.replace(scored("p/1/0", [4], 0.0), prompt_id="p/1", completion_text="5")),
     ])  # fmt: skip

@@ -3,7 +3,7 @@
 import asyncio
 
 from pipeline.config import load_config, resolve
-from pipeline.demo_model import build_tokenizer
+from pipeline.demo_model import build_model, build_tokenizer
 from schemas.messages import PromptGroup, Scored
 from topics.clients import make_producer, send
 from topics.readers import read_topic
@@ -32,6 +32,7 @@ async def score_two(config, broker, topic_layout) -> dict[str, Scored]:
 
 async def test_segments_become_one_scored_trajectory_each(broker, topic_layout, tmp_path, text_segment):
     tokenizer = build_tokenizer(tmp_path / "model")
+    build_model(tmp_path / "model", tokenizer)  # the worker reads the model's vocabulary from its config
     config = resolve(
         load_config(
             None,

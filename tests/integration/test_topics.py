@@ -108,7 +108,7 @@ def one_of_each() -> dict[str, Message]:
         WEIGHTS: WeightVersion(
             version=1,
             uri="/w/1.safetensors",
-            content_hash="ab",
+            content_hash="ab" * 32,
             step=1,
             groups_consumed=4,
             groups_dropped=0,

@@ -108,3 +108,30 @@ def test_a_release_seen_too_late_is_dropped_not_waited_for():
     assert batch == [] and [d.prompt_id for d in dropped] == ["never-complete"]
     buffer.note_release("never-complete", 0)  # a redelivered release changes nothing
     assert buffer.take(1, trainer_version=5, max_staleness=4) == ([], [])
+
+
+def test_a_trajectory_at_odds_with_its_release_or_group_is_refused_and_the_others_complete_it():
+    buffer = GroupBuffer()
+    buffer.note_release("p", 0)
+    assert buffer.disagreement(scored("p", 0, version=2)) == "released_at_version 2 differs from its release's 0"
+    buffer.add(scored("p", 0), (0, 0))
+    wider = buffer.disagreement(scored("p", 1, n=3))
+    assert wider == "n_samples differs from the 1 trajectories buffered for its group"
+    assert buffer.disagreement(scored("p", 1, release_index=4)).startswith("release_index differs")
+    assert buffer.disagreement(scored("p", 0, n=3)) is None  # a copy of a buffered one: `add` ignores it
+    assert buffer.disagreement(scored("p", 1)) is None
+    buffer.add(scored("p", 1), (0, 1))
+    assert [g.prompt_id for g in buffer.take(1, trainer_version=0, max_staleness=0)[0]] == ["p"]
+
+
+def test_a_group_rejected_at_its_release_is_dropped_once_with_the_reason_and_never_waited_for():
+    buffer = GroupBuffer()
+    buffer.note_release("bad", 0)
+    buffer.reject("bad", "prompt_tokens outside the vocabulary")
+    batch, dropped = buffer.take(1, trainer_version=4, max_staleness=4)  # its deadline: nothing waits for it
+    assert batch == [] and [(d.prompt_id, d.reason) for d in dropped] == [
+        ("bad", "rejected: prompt_tokens outside the vocabulary")
+    ]
+    assert not buffer.add(scored("bad", 0), (0, 0))  # a dropped group stays dropped
+    buffer.reject("bad", "again")  # a redelivered release changes nothing
+    assert buffer.take(1, trainer_version=4, max_staleness=4) == ([], [])

@@ -8,6 +8,8 @@ to set up exactly the situation under test.
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -21,7 +23,7 @@ from transformers import AutoModelForCausalLM
 from pipeline.config import load_config, resolve
 from pipeline.demo_model import build_model, build_tokenizer
 from schemas.config import RunConfig
-from schemas.messages import BatchManifest, DeadLetter, PromptGroup, Scored, Segment, WeightVersion
+from schemas.messages import BatchManifest, DeadLetter, PromptGroup, Scored, Segment, WeightVersion, encode
 from topics.memory import MemoryTransport
 from topics.names import TopicLayout
 from workers import runtime
@@ -38,7 +40,7 @@ GROUP = PromptGroup(
     release_index=0,
     released_at_version=3,
     prompt_text="47+8=",
-    prompt_tokens=[],
+    prompt_tokens=[7, 10, 13],
     answer="55",
     n_samples=2,
 )
@@ -307,3 +309,52 @@ async def test_trainer_loop_restart_rebuilds_the_steps_after_its_checkpoint_from
     redone = load_file(runtime.weights_dir(config) / "v000003.safetensors")
     assert all(torch.equal(straight[name], redone[name]) for name in straight)  # bit for bit
     assert max(checkpoints_dir(config).iterdir()).name == final.name
+
+
+async def test_rollout_loop_dead_letters_poisoned_prompts_and_generates_the_next_one(tmp_path, model_dir):
+    config = config_for(tmp_path, model_dir, "data.n_samples=2", "rollout.max_new_tokens=4")
+    transport, stop = MemoryTransport(TopicLayout()), asyncio.Event()
+    tokens = build_tokenizer(model_dir)("47+8=")["input_ids"]
+    good = msgspec.structs.replace(GROUP, released_at_version=0, prompt_tokens=tokens)
+    outside = encode(msgspec.structs.replace(good, prompt_id="huge", prompt_tokens=[*tokens, 10**9]))
+    no_samples = encode(msgspec.structs.replace(good, prompt_id="none", n_samples=0))
+    not_utf8 = encode(msgspec.structs.replace(good, prompt_id="utf8")).replace(b"utf8", b"\xff\xfe\xfd\xfc")
+    prompts = transport.layout.name("prompts")
+    for value in (outside, no_samples, not_utf8, encode(good)):
+        await transport.broker.append(prompts, value, b"k", [])
+    segments = lambda: transport.broker.messages("segments", Segment)  # noqa: E731
+    await run_until(
+        rollout_worker.main(config, stop, transport),
+        stop,
+        lambda: sum(s.finish_reason != "interrupted" for s in segments()) == 2,
+    )
+    reasons = {letter.payload: letter.reason for letter in transport.broker.messages("dead-letter", DeadLetter)}
+    assert set(reasons) == {outside, no_samples, not_utf8}
+    assert "prompt_tokens must lie in [0, 15) (the model's vocabulary)" in reasons[outside]
+    assert "n_samples is 0" in reasons[no_samples] and "UnicodeDecodeError" in reasons[not_utf8]
+    assert {s.trajectory_id for s in segments()} == {"e0-r1/0", "e0-r1/1"}  # only the good group generated
+    assert transport.broker.committed[("rollout", prompts)] == {0: 4}  # the poison counts as processed
+
+
+async def test_trainer_loop_dead_letters_what_it_cannot_train_and_trains_the_rest(tmp_path, model_dir):
+    config = config_for(tmp_path, model_dir, "trainer.batch_groups=1", "trainer.max_staleness=4", "trainer.steps=1")
+    transport = MemoryTransport(TopicLayout())
+    group, outside = released(0, 0), msgspec.structs.replace(released(1, 0), prompt_tokens=[7, 10**6])
+    good = [scored(group, i, float(i)) for i in (0, 1)]
+    poison = {
+        "logprobs[1] is nan": msgspec.structs.replace(good[0], logprobs=[-1.0, math.nan, -1.0]),
+        "1 logprobs for 3 completion_tokens": msgspec.structs.replace(good[0], logprobs=[-1.0]),
+        "reward is nan": msgspec.structs.replace(good[0], reward=math.nan),
+        "completion_tokens must lie in [0, 15)": msgspec.structs.replace(good[1], completion_tokens=[5, 6, 10**6]),
+        "n_samples differs from the 1 trajectories": msgspec.structs.replace(good[1], n_samples=3),
+    }
+    await publish(transport, group, outside, *list(poison.values())[:3], good[0], *list(poison.values())[3:], good[1])
+    await asyncio.wait_for(trainer_worker.main(config, asyncio.Event(), transport), 30)
+    [manifest] = transport.broker.messages("batches", BatchManifest)
+    assert manifest.trajectory_ids == ["p0/0", "p0/1"]  # none of the poison trained
+    assert [d.prompt_id for d in manifest.dropped] == ["p1"] and "vocabulary" in manifest.dropped[0].reason
+    reasons = {letter.payload: letter.reason for letter in transport.broker.messages("dead-letter", DeadLetter)}
+    assert len(reasons) == 6 and "the model's vocabulary" in reasons[encode(outside)]
+    assert all(expected in reasons[encode(record)] for expected, record in poison.items()), reasons
+    [step] = [json.loads(line) for line in (runtime.run_dir(config) / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(v) for v in step.values() if isinstance(v, float)), step

@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from schemas.validate import MAX_ABS_REWARD
 from workers.tasks import load_task
 
 RewardFn = Callable[[str, str, dict[str, str]], Any]
@@ -73,12 +74,13 @@ def answer_key(spec: str, task: str = "arith") -> AnswerKey:
 
 
 def normalise(result: Any) -> tuple[float, dict[str, str]]:
-    """A user's return value as (finite reward, string details), or ValueError saying why not."""
+    """A user's return value as (finite reward, string details), or ValueError saying why not. The bound
+    keeps group normalisation finite in float32 (see `schemas.validate.MAX_ABS_REWARD`)."""
     details: dict = {}
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
         result, details = result
     if isinstance(result, bool) or not isinstance(result, (int, float)):
         raise ValueError(f"reward must be a number or (number, dict), got {type(result).__name__}")
-    if not math.isfinite(result):
-        raise ValueError(f"reward must be finite, got {result}")
+    if not math.isfinite(result) or abs(result) > MAX_ABS_REWARD:
+        raise ValueError(f"reward must be finite and within ±{MAX_ABS_REWARD:g}, got {result}")
     return float(result), {str(k): str(v) for k, v in details.items()}

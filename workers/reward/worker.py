@@ -2,15 +2,21 @@
 
 Segments of one attempt are joined in order once the terminal one arrives; the
 first attempt of a trajectory id to finish wins and later ones are ignored. A
-reward function that raises or times out gives the failure reward with the
-error in `reward_details`; the worker goes on.
+reward function that raises, times out or returns no finite reward within ±1e6
+gives the failure reward with the error in `reward_details` (its traceback logged
+once per distinct error, then counted); the worker goes on, until more than
+`reward.max_failure_rate` of a window of calls failed: then it stops the run
+(`budget.py`). Segments that make no trajectory the trainer could take (no group,
+a malformed id, token ids outside the model) go to `dead-letter` with the reason,
+and their offsets are committed like any other.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from schemas.config import RunConfig
 from schemas.messages import Scored, Segment, split_trajectory_id
@@ -18,7 +24,11 @@ from topics.assembly import Attempt, SegmentAssembler
 from topics.tracing import trace_headers
 from topics.transport import Delivery, Inbox, Outbox, Transport
 from workers import runtime
+from workers.reward.budget import EXIT_CODE, RewardFailures
 from workers.reward.pool import ScoringPool
+from workers.vocab import outside_vocab
+
+METRICS_PERIOD_S = 1.0
 
 
 def assemble(segments: list[Segment], completion_text: str, reward: float, details: dict[str, str]) -> Scored:
@@ -62,27 +72,45 @@ class Scorer:
     def __init__(self, ctx: runtime.WorkerContext, outbox: Outbox, inbox: Inbox[Segment]):
         self.ctx, self.outbox, self.inbox = ctx, outbox, inbox
         self.tokenizer = AutoTokenizer.from_pretrained(ctx.config.model.path)
+        self.vocab = AutoConfig.from_pretrained(ctx.config.model.path).get_text_config().vocab_size
         data, reward = ctx.config.data, ctx.config.reward
-        self.pool = ScoringPool(data.reward, reward.processes, reward.timeout_s, data.task)
+        self.pool = ScoringPool(data.reward, reward.processes, reward.timeout_s, data.task, reward.max_processes)
+        self.failures = RewardFailures(reward.max_failure_rate, reward.failure_window)
         self.tasks: set[asyncio.Task] = set()
-        self.scored = 0
+        self.error: BaseException | None = None  # a scoring task's unexpected exception: the loop re-raises it
+        self.scored = self.unscorable = 0
+        self.reported: dict = {}  # the counts of the last metrics line
 
     def start(self, attempt: Attempt[Delivery[Segment]]) -> None:
         task = asyncio.create_task(self.score(attempt))
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(self.finished)
+
+    def finished(self, task: asyncio.Task) -> None:
+        """Every task's outcome is read: an unexpected error stops the worker (a restart re-reads the records)
+        rather than vanish with its task and leave its offsets uncommitted for ever."""
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self.error is None:
+            self.error = task.exception()
 
     async def score(self, attempt: Attempt[Delivery[Segment]]) -> None:
         segments = attempt.complete()
-        text = self.tokenizer.decode([t for s in segments for t in s.token_ids], skip_special_tokens=True)
-        failed = (f"generation failed: {s.error}" for s in segments if s.finish_reason == "error")
-        problem = check(segments) or next(failed, None)
-        if problem and segments[0].group is None:
-            self.ctx.log.error("trajectory cannot be assembled", trajectory=attempt.trajectory_id, reason=problem)
+        tokens = [t for s in segments for t in s.token_ids]
+        if problem := check(segments) or outside_vocab(self.vocab, token_ids=tokens):
+            await self.dead_letter(attempt, problem)
         else:
-            await self.send(attempt, segments, text, problem)
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            failed = (f"generation failed: {s.error}" for s in segments if s.finish_reason == "error")
+            await self.send(attempt, segments, text, next(failed, None))
         for delivery in attempt.receipts:
             self.inbox.done(delivery)
+
+    async def dead_letter(self, attempt: Attempt[Delivery[Segment]], reason: str) -> None:
+        """Every record of an attempt that makes no trajectory to `dead-letter`, with the reason."""
+        self.unscorable += 1
+        self.ctx.log.warning("segments cannot be scored", trajectory=attempt.trajectory_id, reason=reason)
+        for delivery in attempt.receipts:
+            await self.inbox.reject(delivery, f"trajectory {attempt.trajectory_id!r} cannot be scored: {reason}")
 
     async def send(self, attempt: Attempt, segments: list[Segment], text: str, problem: str | None) -> None:
         group, reward_cfg = segments[0].group, self.ctx.config.reward
@@ -92,20 +120,37 @@ class Scorer:
             attributes={"asyncrl.trajectory_id": attempt.trajectory_id, "asyncrl.attempt": attempt.attempt},
         ) as span:
             metadata = {**group.metadata, "answer": group.answer}
-            reward, details = (
-                (None, {"error": problem}) if problem else await self.pool.score(group.prompt_text, text, metadata)
-            )
+            if problem:  # not the reward function's failure: outside its budget
+                reward, details = None, {"error": problem}
+            else:
+                reward, details = await self.pool.score(group.prompt_text, text, metadata)
+                if self.failures.record(details if reward is None else None):  # a new error: its traceback once
+                    self.ctx.log.warning("reward function failed (each new error once)", **details)
             if reward is None:
                 reward = reward_cfg.failure_reward
-                self.ctx.log.warning("scoring failed", trajectory=attempt.trajectory_id, **details)
             span.set_attribute("asyncrl.reward", reward)
             await self.outbox.send(
                 "scored", assemble(segments, text, reward, details), key=group.prompt_id, headers=trace_headers()
             )
         self.scored += 1
 
+    def report(self, metrics: runtime.MetricsWriter, **extra: str) -> None:
+        """A metrics line of the counts (summary.json sums them), when they changed since the last one."""
+        failures = self.failures
+        counts = {
+            "step": self.scored,
+            "scored": self.scored,
+            "reward_calls": failures.calls,
+            "reward_failed": sum(failures.by_kind.values()),
+            "reward_failures": dict(failures.by_kind),
+            "unscorable_segments": self.unscorable,
+        }
+        if counts != self.reported or extra:
+            metrics.write(worker=self.ctx.id, **counts, **extra)
+            self.reported = counts
+
     async def close(self) -> None:
-        await asyncio.gather(*self.tasks)
+        await asyncio.gather(*self.tasks, return_exceptions=True)  # their errors were seen by `finished`
         self.pool.close()
 
 
@@ -116,10 +161,12 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
         ctx.transport.outbox() as outbox,
         ctx.transport.inbox("segments", Segment, outbox, origin=ctx.id, group="reward", max_records=512) as inbox,
     ):
-        scorer = Scorer(ctx, outbox, inbox)
+        scorer, metrics, last_report, spent = Scorer(ctx, outbox, inbox), ctx.metrics(), time.monotonic(), False
         ctx.log.info("reward worker started", reward=config.data.reward, processes=config.reward.processes)
         try:
-            while not stop.is_set():
+            while not stop.is_set() and not (spent := scorer.failures.exceeded):
+                if scorer.error is not None:
+                    raise scorer.error
                 for delivery in await inbox.poll(0.05):
                     added = assembler.add(delivery.message, delivery)
                     for released in added.released:  # late copies, losing attempts
@@ -127,7 +174,15 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
                     if added.completed is not None:
                         scorer.start(added.completed)
                 await inbox.commit()
+                if time.monotonic() - last_report > METRICS_PERIOD_S:
+                    scorer.report(metrics)
+                    last_report = time.monotonic()
         finally:
             await scorer.close()
+        if spent:
+            ctx.log.error("failure budget spent, stopping the run", verdict=scorer.failures.verdict())
+        scorer.report(metrics, **({"stopped": scorer.failures.verdict()} if spent else {}))
         await inbox.commit(now=True)
         ctx.log.info("reward worker finished", scored=scorer.scored)
+    if spent:
+        raise SystemExit(EXIT_CODE)  # the launcher ends the run with the verdict of the metrics line

@@ -69,6 +69,7 @@ class RolloutEngine(Protocol):
     """A continuous-batching generator whose weights change under running sequences. One caller thread."""
 
     version: int  # the weights version generating new tokens
+    vocab: int  # token ids the model embeds: [0, vocab)
 
     def submit(self, key: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request; ValueError, the engine unchanged, for one it cannot run (see `check_request`)."""

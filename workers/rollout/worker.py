@@ -19,6 +19,7 @@ from functools import cached_property
 
 import torch
 from opentelemetry.context import Context
+from safetensors import SafetensorError
 from transformers import AutoTokenizer
 
 from schemas.config import RunConfig
@@ -26,9 +27,11 @@ from schemas.messages import DeadLetter, PromptGroup, Segment, WeightVersion, en
 from topics.tracing import trace_headers
 from topics.transport import Delivery, Inbox, Outbox, Transport, WeightsFollower
 from workers import runtime
+from workers.announce import AnnouncementCheck, load_key
 from workers.models import load_causal_lm
 from workers.rollout.engine import Engine
 from workers.rollout.protocol import RolloutEngine, SamplingParams, Sequence
+from workers.vocab import outside_vocab
 from workers.weights import WeightsError, verify
 
 METRICS_PERIOD_S = 1.0
@@ -176,7 +179,8 @@ class Rollout:
     async def load(self, announced: WeightVersion) -> bool:
         """Verify the announced file, interrupt (emit partial segments), load it; False if refused.
 
-        A missing or corrupted file goes to `dead-letter` and the engine keeps its weights.
+        A missing or corrupted file, or one that does not load into the model (`load_into` copies nothing
+        then), goes to `dead-letter` and the engine keeps its weights.
         """
         try:
             weights = await asyncio.to_thread(verify, announced.uri, announced.content_hash, announced.version)
@@ -185,7 +189,7 @@ class Rollout:
                     await self.emit(seq, "interrupted")
                     self.interrupted += 1
             await asyncio.to_thread(self.engine.update_weights, weights)
-        except (WeightsError, FileNotFoundError) as error:
+        except (WeightsError, OSError, ValueError, RuntimeError, SafetensorError) as error:  # unloadable
             self.refused_version = announced.version
             self.ctx.log.warning(
                 "weights refused, keeping the current ones", version=announced.version, reason=str(error)
@@ -222,7 +226,8 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
         ctx.transport.inbox("prompts", PromptGroup, outbox, origin=ctx.id, group="rollout", max_records=64) as prompts,
         ctx.transport.weights_follower(outbox, origin=ctx.id) as weights_inbox,
     ):
-        rollout, weights, waiting = Rollout(ctx, outbox, make_engine(config)), WeightsFollower(weights_inbox), []
+        check = AnnouncementCheck(load_key(ctx.run_dir), verify_file=False)  # `load` verifies the sha256
+        rollout, weights, waiting = Rollout(ctx, outbox, make_engine(config)), WeightsFollower(weights_inbox, check), []
         ctx.log.info("rollout started", max_batch=config.rollout.max_batch, interrupt=interrupt)
         last_report = time.monotonic()
         while not stop.is_set():
@@ -230,10 +235,8 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
             new_version = rollout.wants(latest)
             if new_version and (interrupt or rollout.engine.idle()) and await rollout.load(latest) and latest.final:
                 break
-            waiting += [
-                InFlight(d, unfinished=d.message.n_samples)
-                for d in await prompts.poll(0 if waiting or not rollout.engine.idle() else 0.05)
-            ]
+            arrived = await prompts.poll(0 if waiting or not rollout.engine.idle() else 0.05)
+            waiting += await screen(prompts, arrived, rollout.engine.vocab)
             await admit(rollout, prompts, waiting, holding=new_version and not interrupt)
             await prompts.commit()
             if rollout.engine.idle():
@@ -251,6 +254,18 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
                 last_report = time.monotonic()
         await prompts.commit(now=True)
         ctx.log.info("rollout finished", version=rollout.engine.version, interrupted_segments=rollout.interrupted)
+
+
+async def screen(prompts: Inbox[PromptGroup], arrived: list[Delivery[PromptGroup]], vocab: int) -> list[InFlight]:
+    """The groups the model can generate from; a prompt outside its vocabulary goes to `dead-letter` with the
+    reason, unanswered (the trainer drops its group when it sees the release)."""
+    flights = []
+    for delivery in arrived:
+        if problem := outside_vocab(vocab, prompt_tokens=delivery.message.prompt_tokens):
+            await prompts.reject(delivery, problem)
+        else:
+            flights.append(InFlight(delivery, unfinished=delivery.message.n_samples))
+    return flights
 
 
 async def admit(rollout: Rollout, prompts: Inbox[PromptGroup], waiting: list[InFlight], holding: bool) -> None:

@@ -2,8 +2,9 @@
 
 Pure bookkeeping (no Kafka, no torch) so that the trainer's admission rules can be
 tested alone: a trajectory id is accepted at most once, a group is trainable only
-when all its samples are present, and a group too stale to train is dropped with
-a recorded reason.
+when all its samples are present, a group too stale to train (or refused at its
+release) is dropped with a recorded reason, and a trajectory at odds with its
+group's release or members is refused (`disagreement`).
 """
 
 from __future__ import annotations
@@ -38,11 +39,34 @@ class GroupBuffer:
         self.done_prompts: set[str] = set(done_prompts)  # groups trained or dropped
         self.groups: dict[str, Group] = {}
         self.outstanding: dict[str, int] = {}  # released, not yet trained or dropped -> released_at_version
+        self.rejected: list[DroppedGroup] = []  # groups refused at their release, reported by the next `take`
 
     def note_release(self, prompt_id: str, released_at_version: int) -> None:
         """A group the prompt source released: it must be trained by version released_at_version + eta."""
         if prompt_id not in self.done_prompts:
             self.outstanding[prompt_id] = released_at_version
+
+    def reject(self, prompt_id: str, reason: str) -> None:
+        """Drop a released group the trainer can never train (its prompt is outside the model), so that no
+        deadline waits for it; the next `take` reports it, and the prompt source may release another."""
+        if prompt_id not in self.done_prompts:
+            self.finish(prompt_id)
+            self.rejected.append(DroppedGroup(prompt_id=prompt_id, reason=f"rejected: {reason}"))
+
+    def disagreement(self, scored: Scored) -> str | None:
+        """Why `scored` may not join its group (None if it may): a record at odds with its release or with
+        the trajectories already buffered must not decide the group's size, order, staleness or prompt."""
+        released = self.outstanding.get(scored.prompt_id, scored.released_at_version)
+        if scored.released_at_version != released:
+            return f"released_at_version {scored.released_at_version} differs from its release's {released}"
+        group = self.groups.get(scored.prompt_id)
+        if group is None or scored.trajectory_id in self.seen:
+            return None
+        first, _ = next(iter(group.members.values()))
+        for name in ("n_samples", "release_index", "released_at_version", "prompt_tokens"):
+            if getattr(scored, name) != getattr(first, name):
+                return f"{name} differs from the {len(group.members)} trajectories buffered for its group"
+        return None
 
     def add(self, scored: Scored, where: Position) -> bool:
         """Buffer one trajectory; False for a duplicate or a member of a finished group."""
@@ -65,15 +89,17 @@ class GroupBuffer:
         trainer_version - eta) must be in this batch: while one is still incomplete
         the trainer waits for it rather than step past its deadline, so stragglers
         (long answers) are trained, not dropped. Groups already past their deadline
-        (possible only if their release was seen late) are dropped with the reason.
+        (possible only if their release was seen late) are dropped with the reason, and so are
+        the groups rejected since the last call.
         Returns an empty batch until the batch can be made.
         """
         released = {g.prompt_id: g.released_at_version for g in self.groups.values()} | self.outstanding
-        dropped = [
+        dropped = self.rejected + [
             self._drop(pid, v, trainer_version, max_staleness)
             for pid, v in sorted(released.items())
             if not admissible(trainer_version, v, max_staleness)
         ]
+        self.rejected = []
         due = [pid for pid, v in self.outstanding.items() if staleness(trainer_version, v) == max_staleness]
         if any(pid not in self.groups or not self.groups[pid].complete for pid in due):
             return [], dropped

@@ -34,6 +34,7 @@ class TrainerState:
     interrupted_trajectories: int = 0
     mixed_version_trajectories: int = 0
     max_staleness_trained: int = 0
+    skipped_steps: int = 0  # steps with an update not applied (NaN or inf loss or gradient norm); versions go on
 
 
 def _is_writer() -> bool:

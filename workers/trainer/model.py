@@ -104,6 +104,7 @@ class Trainer:
         self.ranks, device = join_ranks(config.model.device)
         self.rank, self.world = self.ranks.rank, self.ranks.world
         self.local = RankModel(config, self.ranks, device)
+        self.vocab = self.local.model.get_input_embeddings().num_embeddings  # token ids it can train: [0, vocab)
         self.state = self.local.restore(restore_from)
         self.commands = LeadRank(self.local, self.ranks)
 
@@ -125,6 +126,7 @@ class Trainer:
         st.interrupted_trajectories += sum(s.num_segments > 1 for s in trajectories)
         st.mixed_version_trajectories += sum(len(set(s.versions)) > 1 for s in trajectories)
         st.max_staleness_trained = max(st.max_staleness_trained, *lags)
+        st.skipped_steps += bool(stats["skipped_updates"])  # its groups are consumed all the same (worker.py)
         histogram = Counter(lags)
         return {
             **stats,

@@ -222,7 +222,9 @@ def train_step(
     own forward pass runs on the arrival weights, so its pi_prox is that pass detached:
     with one minibatch pi_prox costs nothing extra. `reference`: the frozen model of the
     KL penalty. The stats are those of the whole batch on every rank ('microbatches':
-    passes summed over the ranks, fillers included).
+    passes summed over the ranks, fillers included). An update whose loss or gradient norm is
+    NaN or inf is not applied (gradients zeroed, AdamW state untouched): 'skipped_updates' counts
+    them and 'skip_reason' says why.
     """
     shares = RankShare(batch, settings.split, ranks)
     lengths = shares.lengths
@@ -235,7 +237,7 @@ def train_step(
         with torch.no_grad():
             indices, share, plan = shares.of([r for rows in mine[1:] for r in rows])
             prox[indices] = token_logprobs(model, share, settings.temperature, plan, settings.dtype)
-    parts = []
+    parts, skipped = [], []
     for index, (chunk, rows) in enumerate(zip(chunks, mine, strict=True)):
         own_prox = settings.decoupled and index == 0
         indices, share, plan = shares.of(rows)
@@ -253,12 +255,29 @@ def train_step(
         )
         if own_prox:
             prox[indices[: len(rows)]] = logp[: len(rows)]
-        gathered = ranks.gather(stats)
-        grad_norm = clip_gradients(model, settings.grad_clip)
-        optimizer.step()
-        parts.append({**combine(gathered, math.fsum), "grad_norm": grad_norm})
+        gathered = combine(ranks.gather(stats), math.fsum)
+        grad_norm, reason = apply_update(model, optimizer, gathered["loss"], settings.grad_clip)
+        skipped += [f"minibatch {index}: {reason}"] if reason else []
+        parts.append({**gathered, "grad_norm": grad_norm})
     own = [r for rows in mine for r in rows]
-    return {**combine(parts, statistics.fmean), "prox_behav_abs_diff": prox_behav_abs_diff(batch, prox, own, ranks)}
+    stats = {**combine(parts, statistics.fmean), "prox_behav_abs_diff": prox_behav_abs_diff(batch, prox, own, ranks)}
+    return {**stats, "skipped_updates": len(skipped), **({"skip_reason": "; ".join(skipped)} if skipped else {})}
+
+
+def apply_update(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: float, grad_clip: float
+) -> tuple[float, str | None]:
+    """Clip and step, unless the loss or the gradient norm is NaN or inf: one such step would make every
+    later weight NaN, so its gradients are zeroed and nothing (weights, AdamW moments) changes. Every rank
+    sees the same global loss and norm, so all ranks decide alike. (norm before clipping, why skipped)."""
+    grad_norm = clip_gradients(model, grad_clip)
+    values = {"loss": loss, "gradient norm": grad_norm}
+    reason = next((f"{name} is {value}" for name, value in values.items() if not math.isfinite(value)), None)
+    if reason:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        optimizer.step()
+    return grad_norm, reason
 
 
 def prox_behav_abs_diff(batch: TrainBatch, prox: torch.Tensor, own: list[int], ranks: Collective) -> float:

@@ -11,6 +11,13 @@ still had untrained records, skips what the checkpoint and earlier manifests
 trained or dropped, and re-executes the manifests written after the checkpoint
 with exactly their trajectories before it takes new batches.
 
+A non-finite update (NaN or inf loss or gradient norm) is skipped, not applied
+(`step.apply_update`), yet the step happens as any other: its manifest stands, its
+groups are consumed (never trained again: they would fail the same way), the version
+advances and the unchanged weights are published and announced. So versions stay
+contiguous (manifest step == version), exactly once holds, the prompt source's bound
+moves on, and a restart redoing that manifest skips it alike. `skipped_steps` counts them.
+
 Ranks: under torchrun (WORLD_SIZE > 1) every rank holds an FSDP2 shard; rank 0
 alone talks to Kafka and tells the others what to do (`model.Trainer`, `ranks.py`).
 """
@@ -26,11 +33,13 @@ from opentelemetry.trace import Link
 
 from schemas.config import RunConfig
 from schemas.messages import BatchManifest, DroppedGroup, PromptGroup, Scored, WeightVersion, prompt_id_of
-from topics.transport import Inbox, Outbox, Transport
+from topics.transport import Delivery, Inbox, Outbox, Transport
 from workers import runtime
+from workers.announce import load_key, signed_headers
 from workers.trainer import checkpoint
 from workers.trainer.buffer import Group, GroupBuffer
 from workers.trainer.model import Trainer, checkpoints_dir
+from workers.vocab import outside_vocab
 
 
 def restore(manifests: list[BatchManifest], state: checkpoint.TrainerState) -> tuple[list[BatchManifest], GroupBuffer]:
@@ -57,18 +66,37 @@ def new_manifest(
 
 
 class Feed:
-    """Reads `prompts` (deadlines) and `scored` (trajectories) into the buffer."""
+    """Reads `prompts` (deadlines) and `scored` (trajectories) into the buffer; what the model cannot train
+    goes to `dead-letter`, never into a batch."""
 
-    def __init__(self, buffer: GroupBuffer, releases: Inbox[PromptGroup], scored: Inbox[Scored]):
-        self.buffer, self.releases, self.scored = buffer, releases, scored
+    def __init__(self, buffer: GroupBuffer, releases: Inbox[PromptGroup], scored: Inbox[Scored], vocab: int):
+        self.buffer, self.releases, self.scored, self.vocab = buffer, releases, scored, vocab
         self.traces: dict[str, Context] = {}  # prompt id -> the trace its scored records carried
 
     async def poll(self) -> None:
         for delivery in await self.releases.poll(0):
-            self.buffer.note_release(delivery.message.prompt_id, delivery.message.released_at_version)
+            await self.release(delivery)
         for delivery in await self.scored.poll(0.1):
-            if self.buffer.add(delivery.message, (delivery.partition, delivery.offset)):
-                self.traces.setdefault(delivery.message.prompt_id, delivery.trace())
+            await self.take_in(delivery)
+
+    async def release(self, delivery: Delivery[PromptGroup]) -> None:
+        """Note a group's deadline; a prompt outside the model drops its group (the rollout dead-letters it
+        unanswered, so a deadline must not wait for it)."""
+        group = delivery.message
+        if problem := outside_vocab(self.vocab, prompt_tokens=group.prompt_tokens):
+            await self.releases.reject(delivery, problem)
+            self.buffer.reject(group.prompt_id, problem)
+        else:
+            self.buffer.note_release(group.prompt_id, group.released_at_version)
+
+    async def take_in(self, delivery: Delivery[Scored]) -> None:
+        """Buffer one trajectory; one outside the model or at odds with its group is rejected alone."""
+        scored = delivery.message
+        tokens = {"prompt_tokens": scored.prompt_tokens, "completion_tokens": scored.completion_tokens}
+        if problem := outside_vocab(self.vocab, **tokens) or self.buffer.disagreement(scored):
+            await self.scored.reject(delivery, problem)
+        elif self.buffer.add(scored, (delivery.partition, delivery.offset)):
+            self.traces.setdefault(scored.prompt_id, delivery.trace())
 
     def resume_offsets(self) -> dict[int, int]:
         """Where a restart must read `scored` from: past what was read, except what is still buffered."""
@@ -85,6 +113,7 @@ class Lead:
         self.state, self.cfg = trainer.state, ctx.config.trainer
         self.pending_drops: list[DroppedGroup] = []  # dropped since the last manifest, recorded in the next one
         self.metrics, self.started = ctx.metrics(), time.monotonic()
+        self.key = load_key(ctx.run_dir)  # signs every announcement (workers.announce); None: the run has no key
 
     async def next_batch(self) -> tuple[list[Group], BatchManifest | None]:
         """A recorded step to redo once its groups are all here, else a new batch (empty while not ready)."""
@@ -123,27 +152,27 @@ class Lead:
             stats = await asyncio.to_thread(self.trainer.train, groups)
             for span in group_spans:
                 span.end()
+        if stats["skipped_updates"]:  # the batch is consumed and the version advances with unchanged weights
+            self.ctx.log.warning("update skipped, weights unchanged", step=manifest.step, reason=stats["skip_reason"])
         await self.announce(final=self.state.step >= self.cfg.steps)
         self.report(stats, time.monotonic() - step_started)
         if self.state.step % self.cfg.checkpoint.every == 0 or self.state.step >= self.cfg.steps:
             await self.checkpoint()
 
     async def announce(self, final: bool = False) -> None:
-        """Publish the current weights, then tell `weights` (path and sha256)."""
+        """Publish the current weights, then tell `weights` (path and sha256), signed with the run's key."""
         st = self.state
         path, digest = await asyncio.to_thread(self.trainer.publish)
-        await self.outbox.send_now(
-            "weights",
-            WeightVersion(
-                version=st.step,
-                uri=str(path.resolve()),
-                content_hash=digest,
-                step=st.step,
-                groups_consumed=st.groups_consumed,
-                groups_dropped=st.groups_dropped,
-                final=final,
-            ),
+        announcement = WeightVersion(
+            version=st.step,
+            uri=str(path.resolve()),
+            content_hash=digest,
+            step=st.step,
+            groups_consumed=st.groups_consumed,
+            groups_dropped=st.groups_dropped,
+            final=final,
         )
+        await self.outbox.send_now("weights", announcement, headers=signed_headers(self.key, announcement))
 
     async def checkpoint(self) -> None:
         st = self.state
@@ -167,6 +196,7 @@ class Lead:
             interrupted_trajectories=st.interrupted_trajectories,
             mixed_version_trajectories=st.mixed_version_trajectories,
             max_staleness_trained=st.max_staleness_trained,
+            skipped_steps=st.skipped_steps,
         )
 
 
@@ -204,7 +234,7 @@ async def lead(ctx: runtime.WorkerContext, trainer: Trainer, stop: asyncio.Event
         ctx.transport.inbox("scored", Scored, outbox, origin=ctx.id, start_offsets=st.resume_offsets) as scored,
         ctx.transport.inbox("prompts", PromptGroup, outbox, origin=ctx.id) as releases,  # deadlines of groups
     ):
-        loop = Lead(ctx, trainer, outbox, Feed(buffer, releases, scored), redo)
+        loop = Lead(ctx, trainer, outbox, Feed(buffer, releases, scored, trainer.vocab), redo)
         await loop.announce()
         while st.step < cfg.steps and not stop.is_set():
             await loop.feed.poll()
