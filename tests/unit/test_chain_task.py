@@ -9,8 +9,8 @@ CHAIN = Chain()
 
 
 def test_worked_solution_exact():
-    assert worked_solution(17, 6, 4) == "3:23,2:29,1:35,0:41;\\boxed{41}"
-    assert worked_solution(95, 9, 1) == "0:104;\\boxed{104}"
+    assert worked_solution(17, 6, 4) == "3:17+6=23,2:23+6=29,1:29+6=35,0:35+6=41;\\boxed{41}"
+    assert worked_solution(95, 9, 1) == "0:95+9=104;\\boxed{104}"
 
 
 def test_score_reads_only_the_final_boxed_answer_before_the_end():

@@ -1,11 +1,15 @@
-"""`chain`, long chains of thought: add d to a number n times, writing each total with the steps left.
+"""`chain`, long chains of thought: add d to a number n times, writing each addition out with the steps left.
 
     prompt      "17+6x4:"
-    completion  "3:23,2:29,1:35,0:41;\\boxed{41}"
+    completion  "3:17+6=23,2:23+6=29,1:29+6=35,0:35+6=41;\\boxed{41}"
 
-Every step is the same small skill (count the steps left one down, add a digit to the total
-just written, stop at 0: each decision is local), but n varies per problem with a long tail (log-normal,
-1 to 40 steps), so worked solutions run from ~16 to ~300 tokens with p90/p50 ≈ 3, like
+Every step is the same small skill, and every decision is local: count the steps left one
+down, copy the total just written, add the digit d written right beside it, stop at 0.
+Writing the operands out is what makes the addition learnable by a small model (measured:
+with only the totals, "3:23,2:29,...", a 2.2M-parameter model's warm-up reached 18 % held-out
+in 775 steps; written out, 84 % in 800 and 96 % in 1,400), because the digits it adds sit
+at fixed distances before the "=". But n varies per problem with a long tail (log-normal,
+1 to 25 steps), so worked solutions run from ~20 to ~330 tokens with p90/p50 ≈ 4.6, like
 reasoning traces. An error anywhere derails the rest, so long problems are the hard ones,
 and RL has a long tail to hide. The reward is 1 only when the final \\boxed{} answer equals
 the reference (math-verify); the answer a + n·d cannot be read off the prompt without the
@@ -20,7 +24,7 @@ import re
 
 from workers.tasks.base import EOS_TEXT, DemoRecipe, Problem, Task
 
-MAX_STEPS = 40
+MAX_STEPS = 25  # 25 written-out steps are ~330 tokens
 MEDIAN_STEPS = 3.0
 STEPS_SIGMA = 1.3  # of log(steps): p90 / p50 of the steps is exp(1.28 * sigma) ≈ 5.3
 TRAIN_ROWS = 20_000  # training problems drawn per seed (a short one may repeat: there are few of them)
@@ -28,7 +32,7 @@ BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
 
 def worked_solution(start: int, step: int, count: int) -> str:
-    lines = (f"{count - i}:{start + step * i}" for i in range(1, count + 1))
+    lines = (f"{count - i}:{start + step * (i - 1)}+{step}={start + step * i}" for i in range(1, count + 1))
     return ",".join(lines) + f";\\boxed{{{start + step * count}}}"
 
 
@@ -41,14 +45,14 @@ def draw(rng: random.Random) -> Problem:
 
 class Chain(Task):
     name = "chain"
-    alphabet = "0123456789+x:,;\\boxed{}"
-    max_new_tokens = 320
+    alphabet = "0123456789+x:,;=\\boxed{}"
+    max_new_tokens = 400
     demo = DemoRecipe(
         hidden_size=192,
         layers=4,
         heads=4,
         kv_heads=2,
-        positions=352,
+        positions=432,
         warmup_rows=19_000,
         probe_rows=200,
         warmup_batch=32,
