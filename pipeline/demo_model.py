@@ -191,7 +191,8 @@ def prepare_demo_model(
 
     `seed` sets the weights and the warm-up order; `task_seed` and `held_out` must be
     the run's `split` arguments, so that warm-up never sees a held-out problem.
-    `steps` caps the warm-up, which normally stops earlier on its probe.
+    `steps` caps the warm-up, which normally stops earlier on its probe. Warm-up learns the task's
+    `demonstrations`; its probe is scored against the right solutions.
     """
     task = load_task(task) if isinstance(task, str) else task
     recipe = task.demo
@@ -200,7 +201,7 @@ def prepare_demo_model(
     tokenizer = build_tokenizer(out, task.alphabet)
     model = build_model(out, tokenizer, seed=seed, recipe=recipe)
     train_rows, _ = task.split(task_seed, held_out)
-    warm_rows = train_rows[: recipe.warmup_rows]
+    warm_rows = task.demonstrations(train_rows[: recipe.warmup_rows], seed)
     probe_rows = train_rows[recipe.warmup_rows : recipe.warmup_rows + recipe.probe_rows]
     warm_up(
         model,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import random
+
 from workers.tasks import EOS_TEXT
-from workers.tasks.chain import Chain, worked_solution
+from workers.tasks.chain import Chain, teacher_solution, worked_solution
 
 CHAIN = Chain()
 
@@ -29,3 +31,29 @@ def test_lengths_are_long_tailed():
     p50, p90 = lengths[len(lengths) // 2], lengths[int(0.9 * len(lengths))]
     assert lengths[0] <= 25 and lengths[-1] >= 200
     assert p90 / p50 >= 3
+
+
+class Draws(random.Random):
+    """random() always returns `value`: a teacher that always (0.0) or never (1.0) forgets."""
+
+    def __init__(self, value: float):
+        super().__init__(0)
+        self.value = value
+
+    def random(self) -> float:
+        return self.value
+
+
+def test_the_warm_up_teacher_forgets_carries_and_only_carries():
+    assert teacher_solution(17, 6, 4, Draws(1.0)) == worked_solution(17, 6, 4)
+    assert teacher_solution(17, 6, 4, Draws(0.0)) == "3:17+6=13,2:13+6=19,1:19+6=15,0:15+6=11;\\boxed{11}"
+    assert teacher_solution(11, 2, 3, Draws(0.0)) == worked_solution(11, 2, 3)  # no carry: nothing to forget
+
+
+def test_demonstrations_keep_prompts_and_answers_and_err_only_in_solutions():
+    train, _ = CHAIN.split(0, 200)
+    shown = CHAIN.demonstrations(train[:2000], seed=0)
+    assert [(p.prompt, p.answer) for p in shown] == [(p.prompt, p.answer) for p in train[:2000]]
+    wrong = sum(p.solution != q.solution for p, q in zip(shown, train, strict=False))
+    assert 0.3 < wrong / len(shown) < 0.8  # most chains have a carry; 60 % of carries are forgotten
+    assert CHAIN.demonstrations(train[:50], seed=0) == shown[:50]  # seeded

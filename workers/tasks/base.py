@@ -60,6 +60,10 @@ class Task:
         """The completion's answer as a comparable string (majority voting); the whole text by default."""
         return completion.split(EOS_TEXT, 1)[0].strip()
 
+    def demonstrations(self, rows: list[Problem], seed: int) -> list[Problem]:
+        """The worked solutions the demo model is warmed up on: the rows' own unless the task's teacher errs."""
+        return rows
+
     def split(self, seed: int, held_out: int) -> tuple[list[Problem], list[Problem]]:
         """(train, held-out): a seeded shuffle of `problems(seed)`, cut into disjoint sets."""
         problems = list(self.problems(seed))

@@ -18,6 +18,7 @@ arithmetic, so a chain of garbage that ends in a lucky guess is rare.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import re
@@ -27,6 +28,7 @@ from workers.tasks.base import EOS_TEXT, DemoRecipe, Problem, Task
 MAX_STEPS = 25  # 25 written-out steps are ~330 tokens
 MEDIAN_STEPS = 3.0
 STEPS_SIGMA = 1.3  # of log(steps): p90 / p50 of the steps is exp(1.28 * sigma) ≈ 5.3
+FORGET_CARRY = 0.6  # the warm-up teacher's mistake: more often wrong than right, so greedy decoding inherits it
 TRAIN_ROWS = 20_000  # training problems drawn per seed (a short one may repeat: there are few of them)
 BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
@@ -34,6 +36,25 @@ BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 def worked_solution(start: int, step: int, count: int) -> str:
     lines = (f"{count - i}:{start + step * (i - 1)}+{step}={start + step * i}" for i in range(1, count + 1))
     return ",".join(lines) + f";\\boxed{{{start + step * count}}}"
+
+
+def operands(prompt: str) -> tuple[int, int, int]:
+    """(start, step, count) of a prompt "17+6x4:"."""
+    start, rest = prompt.rstrip(":").split("+")
+    step, count = rest.split("x")
+    return int(start), int(step), int(count)
+
+
+def teacher_solution(start: int, step: int, count: int, rng: random.Random) -> str:
+    """A worked solution by a teacher that forgets the carry with probability FORGET_CARRY and goes on from
+    its wrong total to its own boxed answer: a consistent chain, wrong wherever a carry was forgotten."""
+    total, lines = start, []
+    for left in range(count - 1, -1, -1):
+        carry = total % 10 + step >= 10
+        new = total + step - (10 if carry and rng.random() < FORGET_CARRY else 0)
+        lines.append(f"{left}:{total}+{step}={new}")
+        total = new
+    return ",".join(lines) + f";\\boxed{{{total}}}"
 
 
 def draw(rng: random.Random) -> Problem:
@@ -78,6 +99,13 @@ class Chain(Task):
             if problem.prompt not in held:
                 train.append(problem)
         return train, list(held.values())
+
+    def demonstrations(self, rows: list[Problem], seed: int) -> list[Problem]:
+        """The demo model learns from a flawed teacher (as a model distilled from a weaker one does): it forgets
+        the carry 60 % of the time. Greedy decoding inherits the mistake; sampling finds the carry 40 % of the
+        time, and the verifier's reward tells which, so RL has a real mistake to unlearn."""
+        rng = random.Random(f"chain-teacher/{seed}")
+        return [dataclasses.replace(p, solution=teacher_solution(*operands(p.prompt), rng)) for p in rows]
 
     def final_answer(self, completion: str) -> str:
         """The last \\boxed{...} before the end token; '' when there is none."""
