@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 # torch first and pinned: this pin is a local CPU wheel here; an unpinned torch pulls CUDA builds.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test test-unit lint format install install-test clean
+.PHONY: demo test test-unit chaos lint format install install-test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,15 @@ test: install-test
 # the quick loop (~20 s on 2 cores): tests/unit, less anything marked e2e or slow
 test-unit: install-test
 	$(BIN)/python -m pytest -q tests/unit -m "not e2e and not slow"
+
+# fault injection, the long version of tests/e2e/test_chaos.py (~70 min on 2 cores): SIGKILLs of every role at
+# random moments of short runs (launcher and broker then `asyncrl run --resume`), then poison on every topic and bad
+# rows in the dataset of a running pipeline; both run, either failing fails the target (runs/chaos/*.json, .png)
+chaos: install
+	@status=0; \
+	$(BIN)/asyncrl chaos --out runs/chaos || status=1; \
+	$(BIN)/asyncrl chaos --poison --out runs/chaos || status=1; \
+	exit $$status
 
 # ruff is pinned in the test extra; both checks run even when the first fails, and either fails the target
 lint: install-test

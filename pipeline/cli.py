@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from schemas.config import RunConfig
 
 ROLES = ("prompts", "rollout", "reward", "trainer")
 
@@ -20,6 +24,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, start nothing")
     run.add_argument("--explain", action="store_true", help="with --dry-run: list every field with its description")
     run.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    run.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a stopped, failed or killed run from its last checkpoint, with its own config.yaml "
+        "(every step trained once across the stop)",
+    )
 
     prepare = commands.add_parser("prepare", help="make the model, topics and runs/<name>/config.yaml for a deployment")
     prepare.add_argument("config", nargs="?", help="YAML run config or a shipped one's name (default: arith)")
@@ -39,9 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_topics_parser(commands)
     add_replay_parser(commands)
     add_bench_parser(commands)
+    from pipeline.chaos.cli import add_parser as add_chaos_parser  # the standard library only
     from pipeline.slurm import add_parser as add_slurm_parser  # the standard library only
 
     add_slurm_parser(commands)
+    add_chaos_parser(commands)
     return parser
 
 
@@ -357,6 +369,10 @@ def main(argv: list[str] | None = None) -> int:
 
             print(export_model(args.run, args.version, args.out))
             return 0
+        if args.command == "chaos":
+            from pipeline.chaos.command import chaos_command
+
+            return chaos_command(args)
         if args.command == "bench":
             from pipeline.bench import run as run_bench
 
@@ -371,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
 
             run_worker(args.role, load_config(args.config, args.overrides))
             return 0
+        if args.command == "run" and args.resume:
+            return resume_command(args)
         path, overrides = split_config_and_overrides(args.config, args.overrides)
         path = config_file(path)
         config = load_config(path, overrides)
@@ -379,14 +397,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return submit(path, overrides, config, args)
         if args.command == "prepare":
-            from pipeline.launch import check_dataset, prepare
-
-            if not config.broker.bootstrap:
-                raise ConfigError("prepare needs broker.bootstrap=HOST:PORT (the broker the workers will use)")
-            check_dataset(config)
-
-            print(prepare(config)[1])
-            return 0
+            return prepare_command(config)
         if args.dry_run:
             print(RUN_DIR_NOTE + (explain(resolve(config)) if args.explain else to_yaml(resolve(config))), end="")
             return 0
@@ -396,6 +407,30 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"asyncrl: {exc}", file=sys.stderr)
         return 2
+
+
+def prepare_command(config: RunConfig) -> int:
+    """`asyncrl prepare`: the model, topics and config.yaml of a deployment, on the broker its workers will use."""
+    from pipeline.config import ConfigError
+    from pipeline.launch import check_dataset, prepare
+
+    if not config.broker.bootstrap:
+        raise ConfigError("prepare needs broker.bootstrap=HOST:PORT (the broker the workers will use)")
+    check_dataset(config)
+    print(prepare(config)[1])
+    return 0
+
+
+def resume_command(args: argparse.Namespace) -> int:
+    """`asyncrl run --resume RUN_DIR`: the run's own config.yaml runs again, nothing given instead."""
+    from pathlib import Path
+
+    from pipeline.config import ConfigError
+    from pipeline.launch import resume_pipeline
+
+    if args.config or args.overrides or args.dry_run:
+        raise ConfigError("--resume runs the run's own config.yaml: give no config, override or --dry-run with it")
+    return resume_pipeline(Path(args.resume), progress=not args.no_progress)
 
 
 def eval_command(args: argparse.Namespace) -> int:

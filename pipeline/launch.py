@@ -5,6 +5,9 @@ embedded broker unless a bootstrap is configured, starts the workers as separate
 processes (`asyncrl worker <role>`), follows `metrics.jsonl` for the progress bar
 and the held-out evaluation, and stops everything when the trainer has made its
 last step, on Ctrl-C or SIGTERM, when the embedded broker dies, or after `max_wall_s`.
+`asyncrl run --resume RUN_DIR` starts a stopped, failed or killed run again from its
+newest checkpoint; on the embedded broker its topics come back from `topics.export`,
+which the trainer appends to before each checkpoint.
 """
 
 from __future__ import annotations
@@ -192,11 +195,12 @@ def prepare(config: RunConfig, progress: bool = True) -> tuple[RunConfig, Path]:
 
 
 def export_topics_quietly(config: RunConfig, run_dir: Path) -> None:
-    """Write every topic to `<run dir>/topics.export` for replay; a failure costs the file, not the run."""
-    from topics.export import export_topics
+    """Append what the topics gained since the trainer's last checkpoint to `<run dir>/topics.export`, for
+    replay and `--resume`; a failure costs the file's newest records, not the run."""
+    from topics.export import append_export
 
     try:
-        asyncio.run(export_topics(config.broker.bootstrap, run_dir / "topics.export", config.broker.topic_prefix))
+        asyncio.run(append_export(config.broker.bootstrap, run_dir / "topics.export", config.broker.topic_prefix))
     except Exception as exc:  # the run's results are already safe; say what is missing
         print(f"asyncrl: topics not exported ({exc})", file=sys.stderr)
 
@@ -277,36 +281,52 @@ class LocalRun:
 
     config: RunConfig
     run_dir: Path
+    resumed_from: int | None = None  # `--resume`: the step of the checkpoint the trainer resumes from
     broker: EmbeddedBroker | None = None
     workers: list[WorkerProcess] = field(default_factory=list)
     config_path: Path | None = None  # set once config.yaml is written
     evaluator: Evaluator | None = None
     base_accuracy: float | None = None
+    metrics_offset: int = 0  # where the monitor starts reading metrics.jsonl: after a resumed run's earlier lines
 
     def start(self, stops: StopSignals, eval_rows: list | None, progress: bool) -> None:
-        """The broker, the model and topics (config.yaml, then `latest`), the base evaluation, the workers."""
+        """The broker, the model and topics (config.yaml, then `latest`), the base evaluation (a resumed run
+        has it in metrics.jsonl), the workers."""
         from pipeline import monitor
         from pipeline.evaluate import NO_EVAL_SET, Evaluator
-        from topics.broker import EmbeddedBroker
 
-        if not self.config.broker.bootstrap:
-            self.broker = EmbeddedBroker(self.run_dir / "broker.log").start()
-            stops.watch(self.broker)
-            broker = msgspec.structs.replace(self.config.broker, bootstrap=self.broker.bootstrap)
-            self.config = msgspec.structs.replace(self.config, broker=broker)
+        if not self.config.broker.bootstrap or (self.resumed_from is not None and self.config.broker.embedded):
+            self.start_broker(stops)
         self.config, self.config_path = prepare(self.config, progress)
         link_latest(self.run_dir)
         self.evaluator = Evaluator.for_config(self.config, eval_rows)
         if self.evaluator is None:
             print(NO_EVAL_SET, file=sys.stderr)
-        base = monitor.evaluate_version(self.config, self.run_dir, self.evaluator, 0) if self.evaluator else None
-        self.base_accuracy = base["heldout_accuracy"] if base else None
+        if self.resumed_from is None:
+            base = monitor.evaluate_version(self.config, self.run_dir, self.evaluator, 0) if self.evaluator else None
+            self.base_accuracy = base["heldout_accuracy"] if base else None
+        else:
+            self.base_accuracy = monitor.recorded_base_accuracy(self.run_dir)
+            self.metrics_offset = monitor.note_resume(self.run_dir, self.resumed_from)
         roles = ["trainer", "reward", "prompts"] + ["rollout"] * self.config.rollout.workers
         for index, role in enumerate(roles):
             ranks = self.config.trainer.ranks if role == "trainer" else 1
             log_path = self.run_dir / "logs" / f"{role}-{index}.stdout"
             self.workers.append(WorkerProcess(role, index, self.config_path, log_path, ranks))
             self.workers[-1].start()
+
+    def start_broker(self, stops: StopSignals) -> None:
+        """The embedded broker on a free port. On a resume the run's topics and its groups' committed offsets
+        come back from its export first, and config.yaml names the new address (prepare reads it back)."""
+        from topics.broker import EmbeddedBroker
+
+        self.broker = EmbeddedBroker(self.run_dir / "broker.log").start()
+        stops.watch(self.broker)
+        broker = msgspec.structs.replace(self.config.broker, bootstrap=self.broker.bootstrap, embedded=True)
+        self.config = msgspec.structs.replace(self.config, broker=broker)
+        if self.resumed_from is not None:
+            import_run_topics(self.config)
+            save_config(self.config, self.run_dir / "config.yaml")
 
     def stop(self) -> None:
         """The workers in STOP_ORDER (the trainer last: it checkpoints), the topics' export, then the broker."""
@@ -322,18 +342,61 @@ class LocalRun:
             self.broker.stop()
 
 
-def run_pipeline(config: RunConfig, progress: bool = True) -> int:
-    """`asyncrl run`: 0 once finished, 128 + N after signal N (Ctrl-C 130, SIGTERM 143), else 1."""
+def import_run_topics(config: RunConfig) -> None:
+    """A resumed run's export into its new embedded broker: every record at its offset, the groups' commits."""
+    from topics.export import ExportError, import_topics
+
+    path = runtime.topics_export_path(config)
+    try:
+        counts = asyncio.run(import_topics(path, config.broker.bootstrap, config.broker.topic_prefix))
+    except ExportError as exc:
+        raise ConfigError(f"cannot resume from {path}: {exc}") from None
+    print(f"asyncrl: {sum(counts.values())} records of {path} loaded into the new broker", file=sys.stderr)
+
+
+def resumable(run_dir: Path) -> tuple[RunConfig, int]:
+    """The run's own config and the step of its newest checkpoint; a ConfigError (one line) when there is
+    nothing to resume from."""
+    from workers.trainer.checkpoint import newest
+
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"{run_dir} has no config.yaml: not a run directory, or one stopped before it started")
+    config = load_config(run_dir / "config.yaml")
+    if runtime.run_dir(config).resolve() != run_dir.resolve():
+        raise ConfigError(f"{run_dir} is not where its config.yaml puts the run ({runtime.run_dir(config)})")
+    checkpoint = newest(run_dir / "checkpoints")
+    if checkpoint is None:
+        raise ConfigError(f"{run_dir} has no trainer checkpoint to resume from; start the run again")
+    if config.broker.embedded and not runtime.topics_export_path(config).is_file():
+        raise ConfigError(f"{run_dir} has no topics.export: the topics of its embedded broker are lost")
+    return config, int(checkpoint.stem.removeprefix("step_"))
+
+
+def resume_pipeline(run_dir: Path, progress: bool = True) -> int:
+    """`asyncrl run --resume RUN_DIR`: the run goes on from its newest checkpoint with its own config.yaml,
+    directory, key, weights and metrics.jsonl; on the embedded broker its topics come back from its export.
+    Exit codes as `run_pipeline`; a finished run says so in one line and exits 0."""
+    config, step = resumable(run_dir)
+    if step >= config.trainer.steps:
+        print(f"asyncrl: {run_dir} already finished (step {step} of {config.trainer.steps})", file=sys.stderr)
+        return 0
+    return run_pipeline(config, progress, resumed_from=step)
+
+
+def run_pipeline(config: RunConfig, progress: bool = True, resumed_from: int | None = None) -> int:
+    """`asyncrl run`: 0 once finished, 128 + N after signal N (Ctrl-C 130, SIGTERM 143), else 1.
+    `resumed_from`: the checkpoint step of a run directory's own config (`--resume`)."""
     with StopSignals() as stops:
         try:
-            return run_locally(config, progress, stops)
+            return run_locally(config, progress, stops, resumed_from)
         except RunStopped as stop:  # before the run directory had anything to stop
             print(f"asyncrl: {stop.reason} before the run started", file=sys.stderr)
             return stop.exit_code
 
 
-def run_locally(config: RunConfig, progress: bool, stops: StopSignals) -> int:
-    """Checks, a run directory, the run started and followed, then always stopped in order and reported."""
+def run_locally(config: RunConfig, progress: bool, stops: StopSignals, resumed_from: int | None = None) -> int:
+    """Checks, a run directory (a resumed run keeps its own), the run started and followed, then always
+    stopped in order and reported."""
     from pipeline import monitor
     from pipeline.evaluate import rows_for_config
     from pipeline.export_model import export_final
@@ -342,16 +405,25 @@ def run_locally(config: RunConfig, progress: bool, stops: StopSignals) -> int:
     check_dataset(config)
     check_wandb(config)
     eval_rows = rows_for_config(config)  # before anything starts: a missing data.eval_source is a config error
-    config = new_run_dir(config)
+    config = new_run_dir(config) if resumed_from is None else config
     run_dir = runtime.run_dir(config)
-    print(f"asyncrl: run directory {run_dir}", file=sys.stderr)
+    resumed = "" if resumed_from is None else f", resumed from the checkpoint of step {resumed_from}"
+    print(f"asyncrl: run directory {run_dir}{resumed}", file=sys.stderr)
     # before the broker and the model: a W&B problem (no login) shows at once; W&B gets the config as given
     wandb_stream = monitor.WandbStream(config, run_dir) if config.telemetry.wandb_project else None
-    run, stopped = LocalRun(config, run_dir), None
+    run, stopped = LocalRun(config, run_dir, resumed_from), None
     try:
         run.start(stops, eval_rows, progress)
         outcome = monitor.follow(
-            run.config, run_dir, run.workers, run.evaluator, run.base_accuracy, started, progress, wandb_stream
+            run.config,
+            run_dir,
+            run.workers,
+            run.evaluator,
+            run.base_accuracy,
+            started,
+            progress,
+            wandb_stream,
+            run.metrics_offset,
         )
     except RunStopped as stop:
         stopped, outcome = stop, stop.outcome

@@ -171,12 +171,14 @@ def follow(
     started: float,
     progress: bool,
     wandb_stream: WandbStream | None = None,
+    offset: int = 0,
 ) -> str:
-    """Until the trainer's last step: 'finished', 'timeout' or 'failed' (a stop signal raises through it)."""
+    """Until the trainer's last step: 'finished', 'timeout' or 'failed' (a stop signal raises through it).
+    `offset`: where metrics.jsonl is read from (a resumed run's earlier lines are done with)."""
     metrics_path = run_dir / "metrics.jsonl"
     accuracy = base_accuracy  # the base line itself was written by `evaluate_version(..., 0)`
     bar = tqdm(total=config.trainer.steps, desc="asyncrl", unit="step", disable=not progress, dynamic_ncols=True)
-    offset, step = 0, 0
+    step = 0
     try:
         while True:
             # exit codes before the metrics: a worker that ended after the trainer's last line is read as done
@@ -215,6 +217,32 @@ def follow(
         bar.close()
 
 
+def standing_steps(lines: list[dict]) -> list[dict]:
+    """The trainer's lines of the steps that stand: a step trained again (a restarted trainer redoing it from
+    its manifest, or a resumed run retraining steps lost with its broker) replaces the lines of that step and
+    of every step after it."""
+    kept: list[dict] = []
+    for line in (l for l in lines if l["source"] == "trainer"):
+        while kept and kept[-1]["step"] >= line["step"]:
+            kept.pop()
+        kept.append(line)
+    return kept
+
+
+def recorded_base_accuracy(run_dir: Path) -> float | None:
+    """The base model's held-out accuracy as the run's first launch measured it (its version 0 line)."""
+    lines, _ = read_metrics(run_dir / "metrics.jsonl")
+    return next((l["heldout_accuracy"] for l in lines if l["source"] == "eval" and l.get("version") == 0), None)
+
+
+def note_resume(run_dir: Path, step: int) -> int:
+    """A `resume` line in metrics.jsonl (summary.json lists them); the file's size after it, where the
+    resumed run's monitor starts reading."""
+    path = run_dir / "metrics.jsonl"
+    runtime.MetricsWriter(path, "resume").write(step=step)
+    return path.stat().st_size
+
+
 def sampled_eval_summary(base: dict | None, final: dict | None) -> dict:
     """With eval.k > 0: pass@1, pass@k and maj@k of the base model and of the last version, and k."""
     found = {"eval_k": (final or base or {}).get("k", 0)}
@@ -247,7 +275,7 @@ def finish(
     """Final evaluation, then summary.json (`reason`: why a run stopped or failed, when the launcher knows),
     curves.png, TensorBoard events and the W&B run's summary."""
     lines, _ = read_metrics(run_dir / "metrics.jsonl")
-    steps = [l for l in lines if l["source"] == "trainer"]
+    steps = standing_steps(lines)
     last = steps[-1] if steps else {}
     final = evaluate_version(config, run_dir, evaluator, last["step"]) if evaluator and last else None
     base = next((l for l in lines if l["source"] == "eval" and l.get("version") == 0), None)
@@ -271,6 +299,7 @@ def finish(
         "skipped_steps": last.get("skipped_steps", 0),
         **reward_summary(lines),
         "trained_tokens_per_s": last.get("tokens_per_s", 0.0),
+        "resumed_from": [l["step"] for l in lines if l["source"] == "resume"],  # checkpoint steps, one per resume
         "wall_seconds": round(time.time() - started, 1),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -24,6 +24,14 @@ class BrokerConfig(Section):
     bootstrap: Annotated[str, doc("Kafka bootstrap HOST:PORT; empty = start the embedded Tansu broker")] = ""
     topic_prefix: Annotated[str, doc("prefix for every topic name, to share one broker between runs")] = ""
     partitions: Annotated[int, doc("partitions of prompts/segments/scored (weights always has 1)", ge=1)] = 1
+    embedded: Annotated[
+        bool,
+        doc(
+            "set by `asyncrl run` when it started the embedded broker, which keeps topics in memory only: the "
+            "trainer then appends them to <run dir>/topics.export before each checkpoint, and `asyncrl run --resume` "
+            "loads them into a new broker"
+        ),
+    ] = False
     fetch_wait_ms: Annotated[
         int,
         doc(

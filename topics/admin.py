@@ -1,4 +1,5 @@
-"""Topic administration: create the run's topics before any client touches them."""
+"""Topic administration: create the run's topics before any client touches them; read and set the committed
+offsets of its consumer groups (an export keeps them, an import puts them back)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import asyncio
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError, for_code
 
-from topics.clients import MAX_MESSAGE_BYTES
+from topics.clients import MAX_MESSAGE_BYTES, assigned_consumer
 
 
 class TopicMismatchError(RuntimeError):
@@ -70,3 +72,19 @@ async def _describe_when_ready(
             return described
         await asyncio.sleep(0.2)
     raise TimeoutError(f"topics {names} are still not ready in the broker's metadata")
+
+
+async def committed_offsets(bootstrap: str, group_id: str, topic: str) -> dict[int, int]:
+    """A consumer group's committed offset per partition of `topic` (partitions it never committed are left
+    out), asked without joining the group."""
+    async with assigned_consumer(bootstrap, topic, group_id=group_id) as consumer:
+        found = {tp.partition: await consumer.committed(tp) for tp in consumer.assignment()}
+    return {partition: offset for partition, offset in sorted(found.items()) if offset is not None}
+
+
+async def commit_offsets(bootstrap: str, group_id: str, topic: str, offsets: Mapping[int, int]) -> None:
+    """Commit `offsets` (partition -> offset) for a consumer group that has no member now, as its members
+    would have: they start there when they join."""
+    if offsets:
+        async with assigned_consumer(bootstrap, topic, group_id=group_id) as consumer:
+            await consumer.commit({TopicPartition(topic, partition): offset for partition, offset in offsets.items()})

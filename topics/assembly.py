@@ -3,12 +3,16 @@
 A trajectory is the segments 0..k of one attempt, the last one terminal. A
 producer may deliver a segment twice and segments may arrive out of order; the
 first attempt of a trajectory id to complete wins, and the others are released.
+An assembler given a `refuse` check lets only an attempt it accepts win: one it
+refuses (poison: tokens outside the model, no group) is handed back alone and
+the trajectory stays open for the real attempt.
 Each segment travels with a receipt of the caller's (a `Delivery`, or nothing),
 so the caller learns which records need no further work.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -54,30 +58,43 @@ class Attempt(Generic[R]):
 
 @dataclass
 class Added(Generic[R]):
-    """What one segment changed: a newly completed attempt, and receipts that need no further work."""
+    """What one segment changed: a newly completed attempt, or one refused with the reason, and receipts that need
+    no further work."""
 
     completed: Attempt[R] | None = None
     released: list[R] = field(default_factory=list)
+    refused: Attempt[R] | None = None
+    reason: str = ""
+
+
+Refuse = Callable[[list[Segment]], str | None]  # why a complete attempt may not win its trajectory, or None
 
 
 class SegmentAssembler(Generic[R]):
-    """Joins segments into attempts; the first attempt of a trajectory to complete wins."""
+    """Joins segments into attempts; the first attempt of a trajectory to complete (and not be refused) wins."""
 
-    def __init__(self) -> None:
+    def __init__(self, refuse: Refuse | None = None) -> None:
         self.attempts: dict[tuple[str, str], Attempt[R]] = {}  # (trajectory id, attempt) -> arrived so far
         self.finished: set[str] = set()  # trajectory ids whose winner is known
+        self.refuse = refuse
+        self.refused: set[tuple[str, str]] = set()  # attempts refused: a late copy of their segments is released
 
     def add(self, segment: Segment, receipt: R) -> Added[R]:
-        """Take one segment. The completed attempt's receipts are the caller's to release once it is handled;
-        a late segment of a finished trajectory and the losing attempts' receipts are released at once."""
-        if segment.trajectory_id in self.finished:
-            return Added(released=[receipt])
+        """Take one segment. The completed (or refused) attempt's receipts are the caller's to release once it is
+        handled; a late segment of a finished trajectory or a refused attempt and the losing attempts' receipts
+        are released at once."""
         key = (segment.trajectory_id, segment.attempt)
+        if segment.trajectory_id in self.finished or key in self.refused:
+            return Added(released=[receipt])
         attempt = self.attempts.setdefault(key, Attempt(segment.trajectory_id, segment.attempt))
         attempt.add(segment, receipt)
-        if attempt.complete() is None:
+        segments = attempt.complete()
+        if segments is None:
             return Added()
-        self.finished.add(segment.trajectory_id)
         del self.attempts[key]
+        if self.refuse is not None and (reason := self.refuse(segments)):
+            self.refused.add(key)
+            return Added(refused=attempt, reason=reason)
+        self.finished.add(segment.trajectory_id)
         losers = [k for k in self.attempts if k[0] == segment.trajectory_id]
         return Added(attempt, [r for k in losers for r in self.attempts.pop(k).receipts])

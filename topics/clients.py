@@ -122,8 +122,8 @@ async def assigned_consumer(
         **_FETCH_LIMITS,
     }
     consumer = AIOKafkaConsumer(**(settings | overrides))
-    await consumer.start()
-    try:
+    try:  # a start that fails (no broker) is stopped too: no client left open
+        await consumer.start()
         partitions = [TopicPartition(topic, p) for p in await _partitions_of(consumer, topic)]
         offsets = dict(start_offsets or {})
         unknown = set(offsets) - {tp.partition for tp in partitions}

@@ -72,14 +72,18 @@ async def describe_topics(bootstrap: str, prefix: str = "") -> list[TopicOffsets
     return [await topic_offsets(bootstrap, name) for name in await list_topic_names(bootstrap, prefix)]
 
 
-async def read_records(bootstrap: str, topic: str, *, from_offset: int = 0, timeout_s: float = 60.0) -> list[RawRecord]:
-    """Every record of `topic` from `from_offset` (per partition) to its end, by partition and offset.
+async def read_records(
+    bootstrap: str, topic: str, *, from_offset: int | Mapping[int, int] = 0, timeout_s: float = 60.0
+) -> list[RawRecord]:
+    """Every record of `topic` from `from_offset` (every partition's, or per partition: 0 for those not named)
+    to its end, by partition and offset.
 
     The end is the high watermark when the call starts: records produced
     meanwhile are not waited for.
     """
     bounds = (await topic_offsets(bootstrap, topic)).partitions
-    starts = {p: min(max(from_offset, b.start), b.end) for p, b in bounds.items()}
+    wanted = from_offset if isinstance(from_offset, Mapping) else dict.fromkeys(bounds, from_offset)
+    starts = {p: min(max(wanted.get(p, 0), b.start), b.end) for p, b in bounds.items()}
     if all(starts[p] == b.end for p, b in bounds.items()):
         return []
     async with assigned_consumer(bootstrap, topic, starts, fetch_max_wait_ms=_FETCH_WAIT_MS) as consumer:

@@ -21,6 +21,10 @@ DEAD_LETTER = "dead-letter"
 
 ROLES: tuple[str, ...] = (PROMPTS, SEGMENTS, SCORED, WEIGHTS, BATCHES, DEAD_LETTER)
 
+# Consumer groups (named after the prefix) and the role each reads; an export keeps their committed offsets.
+ROLLOUT_GROUP, REWARD_GROUP = "rollout", "reward"
+CONSUMER_GROUPS = {ROLLOUT_GROUP: PROMPTS, REWARD_GROUP: SEGMENTS}
+
 # Every reader of `weights` must see the versions in the order they were made.
 _SINGLE_PARTITION_ROLES = frozenset({WEIGHTS})
 

@@ -62,18 +62,26 @@ def read_rows(path: str | Path) -> tuple[list[Row], list[BadRow]]:
     if path.suffix.lower() in (".parquet", ".pq"):
         import pyarrow.parquet as pq
 
-        lines = [json.dumps(record, default=str) for record in pq.read_table(path).to_pylist()]
-    else:
-        lines = path.read_text().splitlines()
+        lines = [json.dumps(record, default=str).encode() for record in pq.read_table(path).to_pylist()]
+    else:  # bytes split at \n only: one bad byte is one bad row, and U+2028 in a string does not end its line
+        lines = [line.removesuffix(b"\r") for line in path.read_bytes().split(b"\n")]
     rows, bad = [], []
-    for number, line in enumerate(lines, start=1):
+    for number, data in enumerate(lines, start=1):
+        line = data.decode(errors="surrogateescape")  # undecodable bytes kept, to dead-letter them as they were
         if not line.strip():
             continue
         try:
-            rows.append(replace(parse_row(len(rows), line), line=number))
+            rows.append(replace(parse_row(len(rows), utf8(data)), line=number))
         except ValueError as exc:
             bad.append(BadRow(number, line, str(exc)))
     return rows, bad
+
+
+def utf8(data: bytes) -> str:
+    try:
+        return data.decode()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
 
 
 def parse_row(index: int, line: str) -> Row:
@@ -82,6 +90,8 @@ def parse_row(index: int, line: str) -> Row:
         data = json.loads(line)
     except json.JSONDecodeError as exc:
         raise ValueError(f"not JSON ({exc.msg})") from None
+    except RecursionError:
+        raise ValueError("nested too deeply to read") from None
     if not isinstance(data, dict):
         raise ValueError("a row must be a JSON object")
     prompt, answer = data.pop("prompt", None), data.pop("answer", None)
@@ -89,7 +99,15 @@ def parse_row(index: int, line: str) -> Row:
         raise ValueError("field 'prompt' must be a non-empty string")
     if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
         raise ValueError("field 'answer' must be a string or a number")
-    return Row(index, prompt, str(answer), {k: v if isinstance(v, str) else json.dumps(v) for k, v in data.items()})
+    try:
+        metadata = {k: v if isinstance(v, str) else json.dumps(v) for k, v in data.items()}
+        for text in (prompt, str(answer), *metadata, *metadata.values()):
+            text.encode()  # a lone surrogate ("\\ud800" in the JSON) is no text: the tokenizer and msgspec refuse it
+    except RecursionError:  # json.dumps of a deeply nested field
+        raise ValueError("a field is nested too deeply to keep") from None
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"holds a lone surrogate {exc.object[exc.start : exc.end]!a}: not Unicode text") from None
+    return Row(index, prompt, str(answer), metadata)
 
 
 def prompt_problem(
@@ -224,7 +242,11 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
         weights = WeightsFollower(inbox, AnnouncementCheck(load_key(ctx.run_dir)))  # signed, file whole
         for row in bad if not released else ():  # a restarted source sent them already
             letter = DeadLetter(
-                origin=ctx.id, source=config.data.source, reason=str(row), payload=row.text.encode(), offset=row.line
+                origin=ctx.id,
+                source=config.data.source,
+                reason=str(row),
+                payload=row.text.encode(errors="surrogateescape"),
+                offset=row.line,
             )
             await outbox.dead_letter(letter)
         if not rows:

@@ -32,6 +32,11 @@ def run_dir(config: RunConfig) -> Path:
     return Path(config.runs_dir) / config.name
 
 
+def topics_export_path(config: RunConfig) -> Path:
+    """Where a run on the embedded broker keeps its topics (topics.export): they die with the broker."""
+    return run_dir(config) / "topics.export"
+
+
 def weights_dir(config: RunConfig) -> Path:
     if not config.trainer.checkpoint.weights_dir:
         raise ValueError("the config is not resolved: its weights dir is empty (pipeline.config.resolve fills it)")

@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoTokenizer
 from schemas.config import RunConfig
 from schemas.messages import Scored, Segment, split_trajectory_id
 from topics.assembly import Attempt, SegmentAssembler
+from topics.names import REWARD_GROUP
 from topics.tracing import trace_headers
 from topics.transport import Delivery, Inbox, Outbox, Transport
 from workers import runtime
@@ -93,20 +94,22 @@ class Scorer:
         if not task.cancelled() and task.exception() is not None and self.error is None:
             self.error = task.exception()
 
+    def refusal(self, segments: list[Segment]) -> str | None:
+        """Why a complete attempt makes no trajectory the trainer could take (None if it does). Asked before the
+        attempt wins its trajectory, so that poison completing first cannot shut out the real attempt."""
+        return check(segments) or outside_vocab(self.vocab, token_ids=[t for s in segments for t in s.token_ids])
+
     async def score(self, attempt: Attempt[Delivery[Segment]]) -> None:
         segments = attempt.complete()
         tokens = [t for s in segments for t in s.token_ids]
-        if problem := check(segments) or outside_vocab(self.vocab, token_ids=tokens):
-            await self.dead_letter(attempt, problem)
-        else:
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            failed = (f"generation failed: {s.error}" for s in segments if s.finish_reason == "error")
-            await self.send(attempt, segments, text, next(failed, None))
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        failed = (f"generation failed: {s.error}" for s in segments if s.finish_reason == "error")
+        await self.send(attempt, segments, text, next(failed, None))
         for delivery in attempt.receipts:
             self.inbox.done(delivery)
 
     async def dead_letter(self, attempt: Attempt[Delivery[Segment]], reason: str) -> None:
-        """Every record of an attempt that makes no trajectory to `dead-letter`, with the reason."""
+        """Every record of a refused attempt to `dead-letter`, with the reason (each then counts as processed)."""
         self.unscorable += 1
         self.ctx.log.warning("segments cannot be scored", trajectory=attempt.trajectory_id, reason=reason)
         for delivery in attempt.receipts:
@@ -156,12 +159,12 @@ class Scorer:
 
 async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | None = None) -> None:
     ctx = runtime.WorkerContext.start(config, "reward", transport)
-    assembler: SegmentAssembler[Delivery[Segment]] = SegmentAssembler()
     async with (
         ctx.transport.outbox() as outbox,
-        ctx.transport.inbox("segments", Segment, outbox, origin=ctx.id, group="reward", max_records=512) as inbox,
+        ctx.transport.inbox("segments", Segment, outbox, origin=ctx.id, group=REWARD_GROUP, max_records=512) as inbox,
     ):
         scorer, metrics, last_report, spent = Scorer(ctx, outbox, inbox), ctx.metrics(), time.monotonic(), False
+        assembler: SegmentAssembler[Delivery[Segment]] = SegmentAssembler(refuse=scorer.refusal)
         ctx.log.info("reward worker started", reward=config.data.reward, processes=config.reward.processes)
         try:
             while not stop.is_set() and not (spent := scorer.failures.exceeded):
@@ -173,6 +176,8 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
                         inbox.done(released)
                     if added.completed is not None:
                         scorer.start(added.completed)
+                    if added.refused is not None:
+                        await scorer.dead_letter(added.refused, added.reason)
                 await inbox.commit()
                 if time.monotonic() - last_report > METRICS_PERIOD_S:
                     scorer.report(metrics)

@@ -24,6 +24,7 @@ from transformers import AutoTokenizer
 
 from schemas.config import RunConfig
 from schemas.messages import DeadLetter, PromptGroup, Segment, WeightVersion, encode, prompt_id_of, trajectory_id
+from topics.names import ROLLOUT_GROUP
 from topics.tracing import trace_headers
 from topics.transport import Delivery, Inbox, Outbox, Transport, WeightsFollower
 from workers import runtime
@@ -223,7 +224,9 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
     interrupt, metrics = config.rollout.interrupt, ctx.metrics()
     async with (
         ctx.transport.outbox() as outbox,
-        ctx.transport.inbox("prompts", PromptGroup, outbox, origin=ctx.id, group="rollout", max_records=64) as prompts,
+        ctx.transport.inbox(
+            "prompts", PromptGroup, outbox, origin=ctx.id, group=ROLLOUT_GROUP, max_records=64
+        ) as prompts,
         ctx.transport.weights_follower(outbox, origin=ctx.id) as weights_inbox,
     ):
         check = AnnouncementCheck(load_key(ctx.run_dir), verify_file=False)  # `load` verifies the sha256

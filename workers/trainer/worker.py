@@ -9,7 +9,10 @@ Exactly once: the manifest of a step is written before the step; a restarted
 trainer loads its last checkpoint, re-reads `scored` from where that checkpoint
 still had untrained records, skips what the checkpoint and earlier manifests
 trained or dropped, and re-executes the manifests written after the checkpoint
-with exactly their trajectories before it takes new batches.
+with exactly their trajectories before it takes new batches. On the embedded broker,
+which keeps topics in memory only, the topics are appended to the run's export before
+each checkpoint (`Lead.checkpoint`), so `asyncrl run --resume` finds, in a new broker,
+everything a checkpoint names.
 
 A non-finite update (NaN or inf loss or gradient norm) is skipped, not applied
 (`step.apply_update`), yet the step happens as any other: its manifest stands, its
@@ -33,6 +36,7 @@ from opentelemetry.trace import Link
 
 from schemas.config import RunConfig
 from schemas.messages import BatchManifest, DroppedGroup, PromptGroup, Scored, WeightVersion, prompt_id_of
+from topics.export import ExportError, append_export
 from topics.transport import Delivery, Inbox, Outbox, Transport
 from workers import runtime
 from workers.announce import load_key, signed_headers
@@ -175,7 +179,17 @@ class Lead:
         await self.outbox.send_now("weights", announcement, headers=signed_headers(self.key, announcement))
 
     async def checkpoint(self) -> None:
-        st = self.state
+        """Save where a restart resumes. On the embedded broker, which loses its topics when it dies, first
+        append them to the run's export: a checkpoint is then never newer than the topics it names (the
+        manifests, the `scored` offsets, the weights announcements); one whose export fails is skipped."""
+        st, config = self.state, self.ctx.config
+        if config.broker.embedded:
+            try:
+                prefix = config.broker.topic_prefix
+                await append_export(config.broker.bootstrap, runtime.topics_export_path(config), prefix)
+            except ExportError as exc:
+                self.ctx.log.warning("checkpoint skipped: topics not exported", step=st.step, error=str(exc))
+                return
         st.resume_offsets = self.feed.resume_offsets()  # re-read whatever is not trained yet
         unrecorded = {d.prompt_id for d in self.pending_drops}  # drops not in a manifest yet are redone
         st.done_prompts = sorted(self.feed.buffer.done_prompts - unrecorded)

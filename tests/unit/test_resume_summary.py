@@ -1,0 +1,44 @@
+"""The report of a resumed run, from metrics.jsonl alone: steps lost with a killed broker and trained again
+count once (their new lines stand), the resume is listed, and the base accuracy is the first launch's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipeline import monitor
+from pipeline.config import load_config, resolve
+
+
+def trainer(step: int, length: int) -> dict:
+    return {"source": "trainer", "step": step, "completion_lengths": [length], "trained_trajectories": 4 * step}
+
+
+def test_a_step_trained_again_replaces_its_line_and_those_after() -> None:
+    lines = [trainer(1, 1), trainer(2, 2), trainer(3, 3), {"source": "eval", "step": 2}, trainer(2, 20)]
+    lines += [trainer(3, 30), trainer(4, 40), trainer(4, 41), trainer(5, 50)]
+    assert [(l["step"], l["completion_lengths"]) for l in monitor.standing_steps(lines)] == [
+        (1, [1]), (2, [20]), (3, [30]), (4, [41]), (5, [50])
+    ]  # fmt: skip
+    assert monitor.standing_steps([]) == []
+
+
+def test_a_resumed_run_s_summary_counts_each_step_once(tmp_path: Path) -> None:
+    config = resolve(load_config(None, ["name=run", f"runs_dir={tmp_path}", "trainer.steps=5"]))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    metrics = run_dir / "metrics.jsonl"
+    first = [{"source": "eval", "step": 0, "version": 0, "heldout_accuracy": 0.25}]
+    first += [trainer(step, 99 if step > 3 else step) for step in range(1, 6)]  # 4, 5: lost with the broker
+    metrics.write_text("".join(json.dumps({"time": 1.0, **line}) + "\n" for line in first))
+    size = metrics.stat().st_size
+    assert monitor.recorded_base_accuracy(run_dir) == 0.25
+    offset = monitor.note_resume(run_dir, 3)
+    assert offset == metrics.stat().st_size > size and monitor.read_metrics(metrics, size)[0][0]["step"] == 3
+    with open(metrics, "a") as out:
+        for step in (4, 5):
+            out.write(json.dumps({"time": 2.0, **trainer(step, step)}) + "\n")
+    summary = monitor.finish(config, run_dir, None, 0.25, "finished", started=0.0)
+    assert (summary["steps"], summary["trained_trajectories"], summary["resumed_from"]) == (5, 20, [3])
+    assert (summary["completion_len_max"], summary["base_accuracy"]) == (5, 0.25)
+    assert json.loads((run_dir / "summary.json").read_text())["resumed_from"] == [3]
