@@ -30,7 +30,7 @@ test: install-test
 test-unit: install-test
 	$(BIN)/python -m pytest -q tests/unit -m "not e2e and not slow"
 
-# fault injection, the long version of tests/e2e/test_chaos.py (~70 min on 2 cores): SIGKILLs of every role at
+# fault injection, the long version of tests/e2e/test_chaos.py (~1 h on 2 cores): SIGKILLs of every role at
 # random moments of short runs (launcher and broker then `asyncrl run --resume`), then poison on every topic and bad
 # rows in the dataset of a running pipeline; both run, either failing fails the target (runs/chaos/*.json, .png)
 chaos: install

@@ -33,6 +33,10 @@ READERS: dict[str, tuple[str, ...]] = {
     "scored": ("trainer",),
     "weights": ("rollout", "prompts"),
 }
+# A kind cut from a real trajectory races the real records: poison that comes first must be refused without
+# shutting the real ones out; poison that comes late is a losing attempt or a duplicate id, dropped unread. So no
+# dead letter is required of it; what is required is checked by the audit: its group trained, the run finished.
+RACING = ", racing the real records"
 FORGED_VERSION = 1_000_000  # above any real version, so every weights reader looks at the forgery
 UTF8_MARK, NOT_UTF8 = "zq~Q", b"\xff\xfe\xfd\xfc"  # same length: the MessagePack string header stays right
 
@@ -86,7 +90,7 @@ def _headers(role: str, extra: tuple[tuple[str, bytes], ...] = ()) -> tuple[tupl
 
 def _changed(kind: str, base: Message, role: str, readers: tuple[str, ...] | None = None, **changes) -> Poison:
     value = encode(msgspec.structs.replace(base, **changes))
-    return Poison(kind, role, value, readers or READERS[role], _headers(role))
+    return Poison(kind, role, value, READERS[role] if readers is None else readers, _headers(role))
 
 
 def _not_utf8(kind: str, base: Message, role: str, name: str) -> Poison:
@@ -102,7 +106,7 @@ def table(view: RunView, rng: random.Random) -> list[Poison]:
     return [
         *_numbers(seg, sc),
         _changed("scored: token id beyond the vocabulary", sc, "scored", completion_tokens=[5, outside]),
-        _changed("scored: n_samples differs from its siblings", sc, "scored", n_samples=p.n_samples + 1),
+        _changed(f"scored: n_samples differs from its siblings{RACING}", sc, "scored", (), n_samples=p.n_samples + 1),
         _changed("scored: one logprob for three tokens", sc, "scored", completion_tokens=[5, 6, 7], logprobs=[-0.5],
                  versions=[*sc.versions, sc.versions[0]]),
         _changed("scored: empty token lists", sc, "scored", completion_tokens=[], logprobs=[], versions=[]),
@@ -111,6 +115,8 @@ def table(view: RunView, rng: random.Random) -> list[Poison]:
         _changed("segments: malformed trajectory id", seg, "segments", trajectory_id=p.prompt_id),
         _changed("segments: huge token id", seg, "segments", token_ids=[5, 2**40]),
         _changed("segments: token id beyond the vocabulary", seg, "segments", token_ids=[5, outside],
+                 trajectory_id="chaos-unreleased/0", group=msgspec.structs.replace(p, prompt_id="chaos-unreleased")),
+        _changed(f"segments: token id beyond the vocabulary{RACING}", seg, "segments", (), token_ids=[5, outside],
                  attempt="chaos:vocab"),
         _changed("segments: negative version", seg, "segments", version=-1),
         _changed("prompts: huge token id", p, "prompts", prompt_tokens=[5, 2**40]),

@@ -34,6 +34,7 @@ from topics.transport import decode_or_error
 from workers.announce import load_key
 
 ROLES = ("prompts", "rollout", "reward", "trainer")
+SECOND_HALF_S = 30.0  # the second half of the random records: at a third of the steps, or this long after the first
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,8 @@ async def produce(bootstrap: str, layout: TopicLayout, poisons: list[Poison]) ->
 
 def poisoned_run(settings: PoisonSettings, inputs: Inputs, rng: random.Random) -> dict:
     """The run on the poisoned rows; the table and half the random records once every worker has started, the
-    other half a third of the way through; then the verdict on what the run recorded."""
+    other half a third of the way through (or SECOND_HALF_S later: a run that poison stalled still gets them all);
+    then the verdict on what the run recorded."""
     launch, started = Launch(settings.out / "poisoned", run_args(settings, inputs, inputs.poisoned)), time.monotonic()
     produced, still_valid, code, error = [], 0, None, ""
     try:
@@ -155,7 +157,8 @@ def poisoned_run(settings: PoisonSettings, inputs: Inputs, rng: random.Random) -
             half = len(random_records) // 2
             kinds = [p for p in table(view, rng) if not any(skip in p.kind for skip in settings.skip_kinds)]
             produced += asyncio.run(produce(launch.bootstrap, layout, kinds + random_records[:half]))
-            if launch.poll_until(lambda: launch.last_step() >= settings.steps // 3, 600, f"step {settings.steps // 3}"):
+            later, third = time.monotonic() + SECOND_HALF_S, settings.steps // 3
+            if launch.poll_until(lambda: launch.last_step() >= third or time.monotonic() > later, 600, "poison time"):
                 produced += asyncio.run(produce(launch.bootstrap, layout, random_records[half:]))
         code = launch.wait(settings.timeout_s)
     except RunStalled as stalled:
@@ -301,7 +304,9 @@ def checks(poisoned: dict, clean: dict | None, tolerance: float) -> dict[str, bo
         "no worker crashed (one process per role, none restarted)": poisoned.get("restarts") == 0
         and processes == dict.fromkeys(ROLES, 1),
         "no NaN or inf in the trainer's metrics": poisoned.get("non_finite_metrics") == 0,
-        "every poisoned record dead-lettered by each worker reading its topic": poisoned.get("not_dead_lettered") == [],
+        "every poisoned record dead-lettered by each worker reading its topic (racing kinds: see the audit)": (
+            poisoned.get("not_dead_lettered") == []
+        ),
         "every dead letter has a reason": poisoned.get("letters_without_reason") == 0,
         "every bad row dead-lettered with its line number, no good row refused": dataset.get("missing") == []
         and dataset.get("good_rows_refused") == [],
@@ -312,9 +317,11 @@ def checks(poisoned: dict, clean: dict | None, tolerance: float) -> dict[str, bo
     if clean is not None:
         clean_accuracy, accuracy = clean["accuracy"]["final"], poisoned.get("accuracy", {}).get("poisoned")
         found["the clean run finished"] = clean["completed"]
-        found[f"held-out accuracy within ±{tolerance:.0%} of the clean run's"] = (
-            clean_accuracy is not None and accuracy is not None and abs(accuracy - clean_accuracy) <= tolerance
-        )
+        found[f"the poisoned run's held-out accuracy within ±{tolerance * 100:g} points of the clean run's"] = (
+            poisoned["completed"]
+            and None not in (clean_accuracy, accuracy)
+            and abs(accuracy - clean_accuracy) <= tolerance
+        )  # a run that poison stopped early is no comparison, whatever its accuracy
     return found
 
 

@@ -14,10 +14,11 @@ from pipeline.chaos.poisoning import PoisonSettings, run_poison
 
 pytestmark = pytest.mark.e2e
 
-# Kinds the harness found to break a run, left out here so that this test checks the rest; each is reported:
-# a forged `scored` with another n_samples arriving before its siblings stalls the trainer (strict xfail in
-# tests/unit/test_poison_fixes.py), and a forged release the trainer drops widens the prompt source's window by
-# one group that the run never trains (`make chaos` counts it as lost).
+# Kinds the harness found to break a run, left out here so that this test checks the rest (`make chaos` keeps them):
+# a forged `scored` with another n_samples arriving before its siblings stalls the trainer for ever (strict xfail in
+# tests/unit/test_poison_fixes.py); a forged release that the trainer drops makes the prompt source release one group
+# more than the staleness bound lets it train, so one group in each eta + 1 steps is dropped stale from then on and
+# one is never trained (arith, 120 steps: 23 stale drops and 1 lost group, against none without it).
 KNOWN_BUGS = ("n_samples differs", "prompts: token id beyond the vocabulary")
 
 
