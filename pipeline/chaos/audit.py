@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from schemas.messages import BatchManifest, PromptGroup, Scored, WeightVersion, split_trajectory_id
+from schemas.messages import BatchManifest, DeadLetter, PromptGroup, Scored, WeightVersion, split_trajectory_id
 from topics.export import TopicsExport, load_export
 from topics.transport import M, RawRecord, decode_or_error
 from workers.announce import signature_problem
@@ -45,7 +45,7 @@ def audit_export(path: Path, steps: int, key: bytes | None) -> Audit:
     """The verdict on the run whose topics were exported to `path`, which was to make `steps` steps; `key` is
     the run's (`run.key`): only announcements its trainer signed count as versions."""
     export = load_export(path)
-    releases = [m for _, m in decoded(export, "prompts", PromptGroup)]
+    releases = released_groups(export)
     manifests = [m for _, m in decoded(export, "batches", BatchManifest)]
     scored = {(r.partition, r.offset): m for r, m in decoded(export, "scored", Scored)}
     announced = decoded(export, "weights", WeightVersion)
@@ -58,6 +58,17 @@ def audit_export(path: Path, steps: int, key: bytes | None) -> Audit:
     result.problems += manifest_problems(manifests, scored) + step_problems(manifests, versions, steps)
     fate_of_groups(result, releases, manifests, set(trained))
     return result
+
+
+def released_groups(export: TopicsExport) -> list[PromptGroup]:
+    """The records on `prompts` the trainer took as releases: one it dead-lettered (outside the model, or
+    contradicting an earlier release of its group) was not the prompt source's, and nothing waited for it."""
+    refused = {
+        (letter.partition, letter.offset)
+        for _, letter in decoded(export, "dead-letter", DeadLetter)
+        if letter.origin.startswith("trainer") and letter.source.endswith("prompts")
+    }
+    return [m for r, m in decoded(export, "prompts", PromptGroup) if (r.partition, r.offset) not in refused]
 
 
 def fate_of_groups(

@@ -1,6 +1,6 @@
 """The trainer's admission rules: at most once, whole groups, oldest first, stale groups dropped."""
 
-from schemas.messages import Scored
+from schemas.messages import PromptGroup, Scored
 from workers.trainer.buffer import GroupBuffer
 
 
@@ -21,6 +21,13 @@ def scored(prompt_id: str, sample: int, release_index: int = 0, version: int = 0
         num_segments=1,
         reward=1.0,
     )
+
+
+def release(prompt_id: str, version: int = 0, release_index: int = 0, n: int = 2) -> PromptGroup:
+    return PromptGroup(
+        prompt_id=prompt_id, row_index=0, epoch=0, release_index=release_index, released_at_version=version,
+        prompt_text="1", prompt_tokens=[1], answer="2", n_samples=n,
+    )  # fmt: skip
 
 
 def fill(buffer: GroupBuffer, prompt_id: str, release_index: int, version: int = 0) -> None:
@@ -87,8 +94,8 @@ def test_exact_rebuild_keeps_the_manifests_group_order():
 
 def test_the_trainer_waits_for_a_group_at_its_deadline_instead_of_stepping_past_it():
     buffer = GroupBuffer()
-    buffer.note_release("straggler", 0)  # released at v0: must train by v4 (eta = 4)
-    buffer.note_release("quick", 1)
+    buffer.note_release(release("straggler", 0))  # released at v0: must train by v4 (eta = 4)
+    buffer.note_release(release("quick", 1, release_index=1))
     fill(buffer, "quick", 1, version=1)
     buffer.add(scored("straggler", 0, release_index=0, version=0), (0, 9))  # one sample still generating
     # at v3 the straggler is not due yet: the complete group trains
@@ -103,35 +110,43 @@ def test_the_trainer_waits_for_a_group_at_its_deadline_instead_of_stepping_past_
 
 def test_a_release_seen_too_late_is_dropped_not_waited_for():
     buffer = GroupBuffer()
-    buffer.note_release("never-complete", 0)
+    buffer.note_release(release("never-complete", 0))
     batch, dropped = buffer.take(1, trainer_version=5, max_staleness=4)
     assert batch == [] and [d.prompt_id for d in dropped] == ["never-complete"]
-    buffer.note_release("never-complete", 0)  # a redelivered release changes nothing
+    buffer.note_release(release("never-complete", 0))  # a redelivered release changes nothing
     assert buffer.take(1, trainer_version=5, max_staleness=4) == ([], [])
 
 
-def test_a_trajectory_at_odds_with_its_release_or_group_is_refused_and_the_others_complete_it():
+def test_a_trajectory_at_odds_with_its_release_is_refused_and_the_real_ones_complete_it():
     buffer = GroupBuffer()
-    buffer.note_release("p", 0)
+    assert buffer.note_release(release("p", 0)) is None
     assert buffer.disagreement(scored("p", 0, version=2)) == "released_at_version 2 differs from its release's 0"
+    assert buffer.disagreement(scored("p", 0, n=3)) == "n_samples 3 differs from its release's 2"  # forged, first
+    assert buffer.disagreement(scored("p", 1, release_index=4)).startswith("release_index 4 differs")
     buffer.add(scored("p", 0), (0, 0))
-    wider = buffer.disagreement(scored("p", 1, n=3))
-    assert wider == "n_samples differs from the 1 trajectories buffered for its group"
-    assert buffer.disagreement(scored("p", 1, release_index=4)).startswith("release_index differs")
     assert buffer.disagreement(scored("p", 0, n=3)) is None  # a copy of a buffered one: `add` ignores it
     assert buffer.disagreement(scored("p", 1)) is None
     buffer.add(scored("p", 1), (0, 1))
     assert [g.prompt_id for g in buffer.take(1, trainer_version=0, max_staleness=0)[0]] == ["p"]
 
 
-def test_a_group_rejected_at_its_release_is_dropped_once_with_the_reason_and_never_waited_for():
+def test_before_its_release_is_read_the_first_trajectory_sets_the_group_and_the_release_then_overrules_it():
     buffer = GroupBuffer()
-    buffer.note_release("bad", 0)
-    buffer.reject("bad", "prompt_tokens outside the vocabulary")
-    batch, dropped = buffer.take(1, trainer_version=4, max_staleness=4)  # its deadline: nothing waits for it
-    assert batch == [] and [(d.prompt_id, d.reason) for d in dropped] == [
-        ("bad", "rejected: prompt_tokens outside the vocabulary")
-    ]
-    assert not buffer.add(scored("bad", 0), (0, 0))  # a dropped group stays dropped
-    buffer.reject("bad", "again")  # a redelivered release changes nothing
-    assert buffer.take(1, trainer_version=4, max_staleness=4) == ([], [])
+    forged = scored("p", 0, n=3)
+    assert buffer.add(forged, (0, 0))
+    assert buffer.disagreement(scored("p", 1)) == "n_samples differs from the 1 trajectories buffered for its group"
+    assert buffer.note_release(release("p", 0)) is None  # the forged member is let go, its id forgotten
+    assert buffer.disagreement(scored("p", 1)) is None and buffer.disagreement(forged) is not None
+    assert buffer.add(scored("p", 0), (0, 1)) and buffer.add(scored("p", 1), (0, 2))
+    [group], _ = buffer.take(1, trainer_version=0, max_staleness=0)
+    assert [(s.n_samples, where) for s, where in group.trajectories()] == [(2, (0, 1)), (2, (0, 2))]
+
+
+def test_a_second_release_of_a_group_that_contradicts_the_first_is_refused_and_changes_nothing():
+    buffer = GroupBuffer()
+    assert buffer.note_release(release("p", 0)) is None
+    assert buffer.note_release(release("p", 0)) is None  # redelivered: the same facts
+    assert buffer.note_release(release("p", 0, n=5)) == "n_samples differs from the release of 'p' already read"
+    fill(buffer, "p", 0)
+    assert [g.prompt_id for g in buffer.take(1, trainer_version=0, max_staleness=0)[0]] == ["p"]
+    assert buffer.note_release(release("p", 0, n=7)) is None  # done: ignored

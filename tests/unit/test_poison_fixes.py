@@ -1,5 +1,5 @@
 """What the poison harness (`asyncrl chaos --poison`) found, pinned where it is cheap: dataset rows that stopped a
-run, a poison attempt that shut out the real one, and (xfail, strict) a forged trajectory that stalls its group."""
+run, a poison attempt that shut out the real one, a forged trajectory that stalled its group."""
 
 from __future__ import annotations
 
@@ -112,15 +112,11 @@ def scored_of(group: PromptGroup, sample: int, **changes) -> Scored:
     return msgspec.structs.replace(record, **changes)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug (workers/trainer/buffer.py): the first `scored` record of a group decides its n_samples; a forged "
-    "one with another n_samples arriving first makes the real samples 'differ' (dead-lettered), the group never "
-    "completes and the trainer waits at its deadline for ever. The release carries n_samples: check against it.",
-)
 async def test_trainer_loop_a_forged_trajectory_first_with_another_n_samples_does_not_stall_its_group(
     tmp_path, model_dir
 ) -> None:
+    """The first `scored` record of a group used to decide its n_samples: the real samples then 'differed',
+    were dead-lettered, and the trainer waited at the group's deadline for ever. The release decides now."""
     config = config_for(tmp_path, model_dir, "trainer.batch_groups=1", "trainer.max_staleness=0", "trainer.steps=1")
     transport, stop = MemoryTransport(TopicLayout()), asyncio.Event()
     async with transport.outbox() as outbox:

@@ -346,13 +346,13 @@ async def test_trainer_loop_dead_letters_what_it_cannot_train_and_trains_the_res
         "1 logprobs for 3 completion_tokens": msgspec.structs.replace(good[0], logprobs=[-1.0]),
         "reward is nan": msgspec.structs.replace(good[0], reward=math.nan),
         "completion_tokens must lie in [0, 15)": msgspec.structs.replace(good[1], completion_tokens=[5, 6, 10**6]),
-        "n_samples differs from the 1 trajectories": msgspec.structs.replace(good[1], n_samples=3),
+        "n_samples 3 differs from its release's 2": msgspec.structs.replace(good[1], n_samples=3),
     }
     await publish(transport, group, outside, *list(poison.values())[:3], good[0], *list(poison.values())[3:], good[1])
     await asyncio.wait_for(trainer_worker.main(config, asyncio.Event(), transport), 30)
     [manifest] = transport.broker.messages("batches", BatchManifest)
     assert manifest.trajectory_ids == ["p0/0", "p0/1"]  # none of the poison trained
-    assert [d.prompt_id for d in manifest.dropped] == ["p1"] and "vocabulary" in manifest.dropped[0].reason
+    assert manifest.dropped == []  # a release outside the model is forged: it waits for nothing, counts as no drop
     reasons = {letter.payload: letter.reason for letter in transport.broker.messages("dead-letter", DeadLetter)}
     assert len(reasons) == 6 and "the model's vocabulary" in reasons[encode(outside)]
     assert all(expected in reasons[encode(record)] for expected, record in poison.items()), reasons

@@ -11,10 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from schemas.messages import DroppedGroup, Scored, prompt_id_of
+from schemas.messages import DroppedGroup, PromptGroup, Scored, prompt_id_of
 from workers.staleness import admissible, staleness
 
 Position = tuple[int, int]  # (partition, offset) of a record in `scored`
+FACTS = ("n_samples", "release_index", "released_at_version", "prompt_tokens")  # a release's, copied by each sample
+
+
+def differing_fact(record: Scored | PromptGroup, reference: Scored | PromptGroup) -> str | None:
+    return next((name for name in FACTS if getattr(record, name) != getattr(reference, name)), None)
 
 
 @dataclass
@@ -38,45 +43,54 @@ class GroupBuffer:
         self.seen: set[str] = set(done_trajectories)  # trajectory ids trained, dropped or buffered
         self.done_prompts: set[str] = set(done_prompts)  # groups trained or dropped
         self.groups: dict[str, Group] = {}
-        self.outstanding: dict[str, int] = {}  # released, not yet trained or dropped -> released_at_version
-        self.rejected: list[DroppedGroup] = []  # groups refused at their release, reported by the next `take`
+        self.outstanding: dict[str, PromptGroup] = {}  # released, not yet trained or dropped
 
-    def note_release(self, prompt_id: str, released_at_version: int) -> None:
-        """A group the prompt source released: it must be trained by version released_at_version + eta."""
-        if prompt_id not in self.done_prompts:
-            self.outstanding[prompt_id] = released_at_version
+    def note_release(self, release: PromptGroup) -> str | None:
+        """A group the prompt source released: it must be trained by version released_at_version + eta, with
+        its n_samples. Returns why a second, different release of the same group is refused (None if taken).
 
-    def reject(self, prompt_id: str, reason: str) -> None:
-        """Drop a released group the trainer can never train (its prompt is outside the model), so that no
-        deadline waits for it; the next `take` reports it, and the prompt source may release another."""
-        if prompt_id not in self.done_prompts:
-            self.finish(prompt_id)
-            self.rejected.append(DroppedGroup(prompt_id=prompt_id, reason=f"rejected: {reason}"))
+        Trajectories buffered before their release was read and at odds with it are let go (they were
+        forged); their ids are forgotten so that the real ones still complete the group."""
+        pid = release.prompt_id
+        if pid in self.done_prompts:
+            return None
+        if (known := self.outstanding.get(pid)) is not None:
+            name = differing_fact(release, known)
+            return name and f"{name} differs from the release of {pid!r} already read"
+        self.outstanding[pid] = release
+        if (group := self.groups.pop(pid, None)) is not None:
+            fresh = self._new_group(release)
+            for index, (scored, where) in group.members.items():
+                if differing_fact(scored, release) is None:
+                    fresh.members[index] = (scored, where)
+                else:
+                    self.seen.discard(scored.trajectory_id)
+            self.groups[pid] = fresh
+        return None
 
     def disagreement(self, scored: Scored) -> str | None:
-        """Why `scored` may not join its group (None if it may): a record at odds with its release or with
-        the trajectories already buffered must not decide the group's size, order, staleness or prompt."""
-        released = self.outstanding.get(scored.prompt_id, scored.released_at_version)
-        if scored.released_at_version != released:
-            return f"released_at_version {scored.released_at_version} differs from its release's {released}"
+        """Why `scored` may not join its group (None if it may): a record at odds with its release (or, while
+        the release is unread, with the trajectories already buffered) must not decide the group's size,
+        order, staleness or prompt."""
+        if scored.trajectory_id in self.seen:
+            return None  # a copy: `add` ignores it
+        if (release := self.outstanding.get(scored.prompt_id)) is not None:
+            name = differing_fact(scored, release)
+            return name and f"{name} {getattr(scored, name)} differs from its release's {getattr(release, name)}"
         group = self.groups.get(scored.prompt_id)
-        if group is None or scored.trajectory_id in self.seen:
+        if group is None or not group.members:
             return None
         first, _ = next(iter(group.members.values()))
-        for name in ("n_samples", "release_index", "released_at_version", "prompt_tokens"):
-            if getattr(scored, name) != getattr(first, name):
-                return f"{name} differs from the {len(group.members)} trajectories buffered for its group"
-        return None
+        name = differing_fact(scored, first)
+        return name and f"{name} differs from the {len(group.members)} trajectories buffered for its group"
 
     def add(self, scored: Scored, where: Position) -> bool:
         """Buffer one trajectory; False for a duplicate or a member of a finished group."""
         if scored.trajectory_id in self.seen or scored.prompt_id in self.done_prompts:
             return False
         self.seen.add(scored.trajectory_id)
-        group = self.groups.setdefault(
-            scored.prompt_id,
-            Group(scored.prompt_id, scored.n_samples, scored.release_index, scored.released_at_version),
-        )
+        if (group := self.groups.get(scored.prompt_id)) is None:
+            group = self.groups[scored.prompt_id] = self._new_group(self.outstanding.get(scored.prompt_id, scored))
         group.members[scored.sample_index] = (scored, where)
         return True
 
@@ -89,18 +103,19 @@ class GroupBuffer:
         trainer_version - eta) must be in this batch: while one is still incomplete
         the trainer waits for it rather than step past its deadline, so stragglers
         (long answers) are trained, not dropped. Groups already past their deadline
-        (possible only if their release was seen late) are dropped with the reason, and so are
-        the groups rejected since the last call.
+        (possible only if their release was seen late) are dropped with the reason.
         Returns an empty batch until the batch can be made.
         """
-        released = {g.prompt_id: g.released_at_version for g in self.groups.values()} | self.outstanding
-        dropped = self.rejected + [
+        released = {pid: g.released_at_version for pid, g in (self.groups | self.outstanding).items()}
+        dropped = [
             self._drop(pid, v, trainer_version, max_staleness)
             for pid, v in sorted(released.items())
             if not admissible(trainer_version, v, max_staleness)
         ]
-        self.rejected = []
-        due = [pid for pid, v in self.outstanding.items() if staleness(trainer_version, v) == max_staleness]
+        due = [
+            pid for pid, release in self.outstanding.items()
+            if staleness(trainer_version, release.released_at_version) == max_staleness
+        ]  # fmt: skip
         if any(pid not in self.groups or not self.groups[pid].complete for pid in due):
             return [], dropped
         ready = sorted((g for g in self.groups.values() if g.complete), key=lambda g: g.release_index)
@@ -134,6 +149,10 @@ class GroupBuffer:
             for _, (partition, offset) in group.members.values():
                 oldest[partition] = min(offset, oldest.get(partition, offset))
         return oldest
+
+    @staticmethod
+    def _new_group(facts: Scored | PromptGroup) -> Group:
+        return Group(facts.prompt_id, facts.n_samples, facts.release_index, facts.released_at_version)
 
     def _drop(self, prompt_id: str, released_at_version: int, trainer_version: int, max_staleness: int) -> DroppedGroup:
         self.finish(prompt_id)

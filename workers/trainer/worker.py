@@ -84,14 +84,13 @@ class Feed:
             await self.take_in(delivery)
 
     async def release(self, delivery: Delivery[PromptGroup]) -> None:
-        """Note a group's deadline; a prompt outside the model drops its group (the rollout dead-letters it
-        unanswered, so a deadline must not wait for it)."""
+        """Note a group's deadline and size. A release outside the model (the rollout dead-letters it too) or
+        contradicting one already read is forged: it goes to `dead-letter` and changes nothing, so no
+        deadline waits for it and it never counts as a dropped group."""
         group = delivery.message
-        if problem := outside_vocab(self.vocab, prompt_tokens=group.prompt_tokens):
+        problem = outside_vocab(self.vocab, prompt_tokens=group.prompt_tokens)
+        if problem or (problem := self.buffer.note_release(group)):
             await self.releases.reject(delivery, problem)
-            self.buffer.reject(group.prompt_id, problem)
-        else:
-            self.buffer.note_release(group.prompt_id, group.released_at_version)
 
     async def take_in(self, delivery: Delivery[Scored]) -> None:
         """Buffer one trajectory; one outside the model or at odds with its group is rejected alone."""
