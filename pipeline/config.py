@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 import typing
 from pathlib import Path
@@ -152,6 +153,8 @@ def resolve(config: RunConfig) -> RunConfig:
     """
     broker, trainer, model, rollout = config.broker, config.trainer, config.model, config.rollout
     task = load_task_or_error(config.data.task)
+    if config.rollout.workflow:
+        load_or_error(config.rollout.workflow, "workers.rollout.workflow", "load_workflow")
     if not rollout.max_new_tokens:
         rollout = replace(rollout, max_new_tokens=task.max_new_tokens)
     if model.warmup_steps is None:
@@ -168,10 +171,14 @@ def resolve(config: RunConfig) -> RunConfig:
 
 def load_task_or_error(spec: str):
     """The configured task (workers.tasks), or a ConfigError saying why it cannot be loaded."""
-    from workers.tasks import load_task
+    return load_or_error(spec, "workers.tasks", "load_task")
 
+
+def load_or_error(spec: str, module: str, loader: str):
+    """`module.loader(spec)` (a plug-in by name), or a ConfigError saying why it cannot be loaded; the module is
+    imported only here, so that the launcher's start stays light."""
     try:
-        return load_task(spec)
+        return getattr(importlib.import_module(module), loader)(spec)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from workers.rollout.workflow import Workflow
 from workers.tasks import EOS_TEXT, DemoRecipe, Problem, Task, load_task
 from workers.tasks.arith import Arith
 
@@ -186,22 +188,29 @@ def prepare_demo_model(
     steps: int = WARMUP_MAX_STEPS,
     progress: bool = True,
     held_out: int = 200,
+    workflow: Workflow | None = None,
 ) -> Path:
     """Build, warm up and save the task's demo model and tokenizer into `out_dir`.
 
     `seed` sets the weights and the warm-up order; `task_seed` and `held_out` must be
     the run's `split` arguments, so that warm-up never sees a held-out problem.
     `steps` caps the warm-up, which normally stops earlier on its probe. Warm-up learns the task's
-    `demonstrations`; its probe is scored against the right solutions.
+    `demonstrations`; its probe is scored against the right solutions. With a multi-turn `workflow` the
+    tokenizer also spells its calls, and warm-up learns the right solutions as the workflow writes them (a
+    tool does not make the teacher's mistakes).
     """
     task = load_task(task) if isinstance(task, str) else task
     recipe = task.demo
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out, task.alphabet)
+    tokenizer = build_tokenizer(out, task.alphabet + (workflow.alphabet if workflow else ""))
     model = build_model(out, tokenizer, seed=seed, recipe=recipe)
     train_rows, _ = task.split(task_seed, held_out)
-    warm_rows = task.demonstrations(train_rows[: recipe.warmup_rows], seed)
+    warm_rows = train_rows[: recipe.warmup_rows]
+    if workflow is None:
+        warm_rows = task.demonstrations(warm_rows, seed)
+    else:
+        warm_rows = [replace(row, solution=workflow.demonstrate(row.solution)) for row in warm_rows]
     probe_rows = train_rows[recipe.warmup_rows : recipe.warmup_rows + recipe.probe_rows]
     warm_up(
         model,

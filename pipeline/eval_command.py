@@ -214,6 +214,7 @@ def eval_settings(args: argparse.Namespace, run: RunConfig | None, task: str, re
         system_prompt=args.system_prompt if args.system_prompt is not None else (run.data.system_prompt if run else ""),
         seed=args.seed,
         max_batch=args.max_batch or (run.rollout.max_batch if run else 64),
+        workflow=run.rollout.workflow if run else "",
     )
 
 

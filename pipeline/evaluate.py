@@ -19,6 +19,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ from workers.prompt_source import Row, read_rows, rows_of
 from workers.reward import functions
 from workers.rollout.engine import Engine
 from workers.rollout.protocol import SamplingParams, check_request, generate_all
+from workers.rollout.workflow import call_token_of, generate_turns, load_workflow
 from workers.tasks import load_task
 from workers.weights import load_into, read_version
 
@@ -147,6 +149,7 @@ class EvalSettings:
     system_prompt: str = ""
     seed: int = 0  # sampling
     max_batch: int = 64  # sequences the engine decodes together
+    workflow: str = ""  # rollout.workflow: calls are answered as in the run's rollouts ('' = one turn)
 
 
 @dataclass
@@ -209,6 +212,7 @@ class Evaluator:
             system_prompt=config.data.system_prompt,
             seed=config.seed,
             max_batch=config.rollout.max_batch,
+            workflow=config.rollout.workflow,
         )
         # the launcher's own process shares the cores with the workers: as few threads as a rollout worker
         # (tiny matmuls on more threads than free cores spin: 15x slower measured on 2 busy cores)
@@ -235,10 +239,12 @@ class Evaluator:
         engine = Engine(self.model, max_batch=s.max_batch, seed=s.seed)
         prompts, refused = self._prompts(engine, greedy_params)
         valid = [i for i, ids in enumerate(prompts) if ids is not None]
+        workflow = load_workflow(s.workflow)
+        generate = partial(generate_turns, workflow=workflow, tokenizer=self.tokenizer) if workflow else generate_all
         with tqdm(total=len(valid) * (s.k + 1), desc="eval", unit="seq", disable=not progress) as bar:
             tick = lambda done: bar.update(len(done))  # noqa: E731
-            greedy = generate_all(engine, [prompts[i] for i in valid], greedy_params, tick)
-            sampled = generate_all(engine, [prompts[i] for i in valid for _ in range(s.k)], sample_params, tick)
+            greedy = generate(engine, [prompts[i] for i in valid], greedy_params, on_finished=tick)
+            sampled = generate(engine, [prompts[i] for i in valid for _ in range(s.k)], sample_params, on_finished=tick)
         results: list[dict] = [{} for _ in self.rows]
         for i, error in refused.items():
             results[i] = self._refused(self.rows[i], error)
@@ -247,8 +253,10 @@ class Evaluator:
         return EvalResult(summarise(results, s.k, s.temperature), results)
 
     def _stop(self) -> tuple[int, ...]:
-        eos = self.tokenizer.eos_token_id
-        return () if eos is None else (eos,)
+        """EOS, and the workflow's call token: a call ends a turn, answered before the next."""
+        workflow = load_workflow(self.settings.workflow)
+        stops = [self.tokenizer.eos_token_id, workflow and call_token_of(self.tokenizer, workflow.call_end)]
+        return tuple(t for t in stops if t is not None)
 
     def _prompts(self, engine: Engine, params: SamplingParams) -> tuple[list[list[int] | None], dict[int, str]]:
         """Each row's prompt ids, None where the engine cannot take it (too long for the model, empty)."""

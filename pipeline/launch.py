@@ -160,7 +160,7 @@ def prepare(config: RunConfig, progress: bool = True) -> tuple[RunConfig, Path]:
     its config.yaml keeps it (and its model); the topics are ensured every time.
     Returns the resolved config and its path.
     """
-    from pipeline.preflight import preflight
+    from pipeline.preflight import check_workflow, preflight
     from topics.admin import ensure_topics
     from workers.announce import create_key
 
@@ -172,8 +172,10 @@ def prepare(config: RunConfig, progress: bool = True) -> tuple[RunConfig, Path]:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         config = msgspec.structs.replace(config, runs_dir=str(run_dir.parent))
     config = resolve(config)  # the task's defaults (warm-up steps) before the demo model is built
+    check_workflow(config)
     if not config.model.path:
         from pipeline.demo_model import prepare_demo_model
+        from workers.rollout.workflow import load_workflow
 
         model_dir = prepare_demo_model(
             run_dir / "model",
@@ -183,6 +185,7 @@ def prepare(config: RunConfig, progress: bool = True) -> tuple[RunConfig, Path]:
             steps=config.model.warmup_steps,
             progress=progress,
             held_out=config.data.held_out,
+            workflow=load_workflow(config.rollout.workflow),
         )
         config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=str(model_dir)))
     config = resolve(config)

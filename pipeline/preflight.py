@@ -2,8 +2,8 @@
 
 `prepare` (so `asyncrl run` and `asyncrl prepare`) calls `preflight` once the model exists: the
 device is there, the model and its tokenizer load, the rollout engine can serve the architecture,
-the weights are finite, the reward function imports and scores a real row, and the rows fit the
-model. Each problem is a ConfigError: one line on the console, with the fix. Rows the model cannot
+the weights are finite, the reward function imports and scores a real row, the rows fit the
+model, and a multi-turn workflow can answer calls (its call token, the sandbox). Each problem is a ConfigError: one line on the console, with the fix. Rows the model cannot
 take are not an error while others can (the prompt source sends them to `dead-letter` with their
 line numbers): their count is printed; a dataset of such rows alone is an error.
 """
@@ -26,6 +26,22 @@ def preflight(config: RunConfig) -> None:
     del model  # the launcher may load it again for evaluation: one copy at a time
     rows = usable_rows(config, tokenizer)
     check_reward(config, rows[0])
+    check_workflow(config, tokenizer)
+
+
+def check_workflow(config: RunConfig, tokenizer=None) -> None:
+    """This machine can answer the workflow's calls (the sandbox), and with `tokenizer`, its call ends with one
+    token of the model. Without, it runs before the demo model's warm-up, so a missing sandbox costs no wait."""
+    from workers.rollout.workflow import call_token_of, load_workflow
+
+    if (workflow := load_workflow(config.rollout.workflow)) is None:
+        return
+    try:
+        workflow.check()
+        if tokenizer is not None:
+            call_token_of(tokenizer, workflow.call_end)
+    except Exception as exc:  # the workflow's own check may raise anything: one line, not a traceback
+        raise ConfigError(f"rollout.workflow={config.rollout.workflow}: {first_line(exc)}") from None
 
 
 def first_line(error: BaseException | str) -> str:

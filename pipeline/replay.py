@@ -346,9 +346,9 @@ def _render_attempt(attempt: Attempt, scored: Scored | None, decode_tokens: Toke
             f"  segment {segment.segment_index}  @v{segment.version}  {segment.finish_reason}  "
             f"{len(segment.token_ids)} tokens  worker {segment.worker_id}{error}"
         )
-    tokens = " ".join(
-        f"{_visible(decode_tokens([token]))}@v{version}"
-        for token, version in zip(attempt.token_ids, attempt.versions, strict=True)
+    tokens = " ".join(  # a tool token (loss mask 0) is marked @tool: it is not trained, its version is none
+        f"{_visible(decode_tokens([token]))}@{f'v{version}' if trained else 'tool'}"
+        for token, version, trained in zip(attempt.token_ids, attempt.versions, attempt.loss_mask, strict=True)
     )
     lines += [
         f"  text: {json.dumps(decode_tokens(attempt.token_ids))}",

@@ -67,15 +67,20 @@ class DataConfig(Section):
     task: Annotated[
         str,
         doc(
-            "the task: 'arith' (the demo), 'chain' (long chains of thought), path/to/file.py:Class or "
-            "module:Class (a subclass of workers.tasks.Task): its rows, verifier, demo model and defaults"
+            "the task: 'arith' (the demo), 'chain' (long chains of thought), 'code' (programs run against tests), "
+            "path/to/file.py:Class or module:Class (a subclass of workers.tasks.Task): its rows, verifier, demo "
+            "model and defaults"
         ),
     ] = "arith"
     source: Annotated[
         str, doc("'builtin' (the task's own rows) or a JSONL or Parquet file with prompt/answer fields")
     ] = "builtin"
     reward: Annotated[
-        str, doc("'builtin' (the task's verifier), 'math' (math-verify) or 'module:function' of your own")
+        str,
+        doc(
+            "'builtin' (the task's verifier), 'math' (math-verify), 'code' (the row's tests run in the sandbox) "
+            "or 'module:function' of your own"
+        ),
     ] = "builtin"
     eval_source: Annotated[
         str,
@@ -107,6 +112,14 @@ class RolloutConfig(Section):
         Literal["torch", "vllm"],
         doc("inference engine: 'torch' (embedded, CPU or CUDA) or 'vllm' (CUDA, needs the vllm extra)"),
     ] = "torch"
+    workflow: Annotated[
+        str,
+        doc(
+            "multi-turn rollouts: '' = one turn; 'python' = the model's `[code]` calls run in the sandbox and their "
+            "output follows (not trained on); or path/to/file.py:Class, a subclass of "
+            "workers.rollout.workflow.Workflow"
+        ),
+    ] = ""
 
 
 class RewardConfig(Section):
@@ -292,10 +305,12 @@ class RunConfig(Section):
     def __post_init__(self) -> None:
         if "/" in self.name or self.name in {".", "..", "latest"}:
             raise ValueError(f"name {self.name!r} must be a plain directory name other than 'latest'")
-        if self.data.reward not in {"builtin", "math"} and ":" not in self.data.reward:
-            raise ValueError(f"data.reward {self.data.reward!r}: use 'builtin', 'math' or 'module:function'")
+        if self.data.reward not in {"builtin", "math", "code"} and ":" not in self.data.reward:
+            raise ValueError(f"data.reward {self.data.reward!r}: use 'builtin', 'math', 'code' or 'module:function'")
         if self.data.source != "builtin" and self.data.reward == "builtin":
-            raise ValueError("data.reward 'builtin' verifies the built-in task only; use 'math' or 'module:function'")
+            raise ValueError(
+                "data.reward 'builtin' verifies the built-in task only; use 'math', 'code' or 'module:function'"
+            )
         if self.data.source != "builtin" and not self.model.path:
             raise ValueError(
                 "data.source other than 'builtin' needs model.path (the demo model only knows its task's rows)"

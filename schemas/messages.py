@@ -2,19 +2,29 @@
 
 Each field comment names who writes it and who reads it. A message carries
 `schema_version`; a reader rejects a version it does not know with a clear error
-(and the worker sends the bytes to `dead-letter`). The struct's name travels in
-the `schema` message header so that replay tools can decode any topic.
+(and the worker sends the bytes to `dead-letter`), read before anything else of the
+record, so that a field added by a newer build is reported as the version it is.
+The struct's name travels in the `schema` message header so that replay tools can
+decode any topic.
+
+Versions: 1, the first; 2 adds `loss_mask` to `Segment` and `Scored`, `tool_calls`
+to `Scored` and the finish reason "tool". This build reads both (a version 1 record
+is a version 2 record with the new fields at their defaults: replay of old exports
+and topics) and writes 2.
 """
 
 from __future__ import annotations
 
-from typing import Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS: frozenset[int] = frozenset({1, 2})  # what `decode` accepts (see the module docstring)
 
-FinishReason = Literal["interrupted", "stop", "length", "error"]
+# "interrupted": a new policy version cut the segment; "tool": the model's turn ended at a tool call and the
+# tool's output follows in the same segment. Both are non-terminal: more segments of the same attempt follow.
+FinishReason = Literal["interrupted", "tool", "stop", "length", "error"]
 TERMINAL_REASONS: frozenset[str] = frozenset({"stop", "length", "error"})
 
 
@@ -35,8 +45,19 @@ def prompt_id_of(trajectory: str) -> str:
     return split_trajectory_id(trajectory)[0]
 
 
+def model_token_mask(loss_mask: list[int], tokens: int) -> list[int]:
+    """A `loss_mask` written out: the empty mask (every token a model token) as one 1 per token."""
+    return loss_mask or [1] * tokens
+
+
 class Message(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Base of every topic message."""
+
+    schema_version: int = SCHEMA_VERSION
+
+
+class _Versioned(msgspec.Struct):
+    """Any record's version alone, whatever else it holds (unknown fields ignored): read first by `decode`."""
 
     schema_version: int = SCHEMA_VERSION
 
@@ -69,10 +90,14 @@ class Segment(Message, kw_only=True):
     version: int  # rollout: policy version of every token in this segment
     token_ids: list[int]  # rollout: generated tokens (may be empty for an empty interrupted run)
     logprobs: list[float]  # rollout: behaviour logprob of each token, same length as token_ids
-    finish_reason: FinishReason  # rollout: "interrupted" = more segments follow
+    finish_reason: FinishReason  # rollout: "interrupted" or "tool" = more segments follow
     worker_id: str  # rollout: who generated it
     group: PromptGroup | None = None  # rollout: the prompt, on segment 0 only; reward: builds `scored`
     error: str = ""  # rollout: why, when finish_reason == "error"
+    # rollout: per token 1 = a model token, 0 = an environment (tool output) token the model conditions on
+    # but is not trained on (its logprob a placeholder, finite and <= 0: 0.0); empty = every token is a model
+    # token. A "tool" segment holds the model's turn, then the tool's output. Reward: joined into `Scored`.
+    loss_mask: list[int] = []
 
 
 class Scored(Message, kw_only=True):
@@ -90,10 +115,20 @@ class Scored(Message, kw_only=True):
     logprobs: list[float]  # reward: behaviour logprob per completion token
     versions: list[int]  # reward: policy version per completion token
     finish_reason: FinishReason  # reward: finish reason of the last segment
-    num_segments: int  # reward; trainer: > 1 means the trajectory was interrupted
+    num_segments: int  # reward; trainer: with tool_calls, how often the trajectory was interrupted
     reward: float  # reward worker
     reward_details: dict[str, str] = {}  # reward worker: verifier output, failures ("error", "timeout")
-    completion_text: str = ""  # reward worker: decoded completion, for humans and replay
+    completion_text: str = ""  # reward worker: decoded completion (model and tool text), for humans and replay
+    # reward: the segments' masks joined, per completion token 1 = a model token (trained), 0 = an environment
+    # (tool output) token (not trained; its logprob and version are placeholders); empty = every token is a
+    # model token (single-turn trajectories, version 1 records). Trainer: the per-token loss mask.
+    loss_mask: list[int] = []
+    tool_calls: int = 0  # reward: segments that ended with "tool"; the other non-terminal ones were interrupted
+
+    @property
+    def interruptions(self) -> int:
+        """How often a new policy version cut this trajectory: its non-terminal segments less its tool calls."""
+        return self.num_segments - 1 - self.tool_calls
 
 
 class WeightVersion(Message, kw_only=True):
@@ -146,6 +181,7 @@ TOPIC_MESSAGE: dict[str, type[Message]] = {
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODERS = {cls: msgspec.msgpack.Decoder(cls) for cls in TOPIC_MESSAGE.values()}
+_VERSION_DECODER = msgspec.msgpack.Decoder(_Versioned)
 
 
 class DecodeError(ValueError):
@@ -166,17 +202,22 @@ def decode(data: bytes, cls: type[M]) -> M:
     """
     from schemas.validate import problems  # it imports this module
 
-    try:
-        message = _DECODERS[cls].decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise DecodeError(f"not a valid {cls.__name__} message: {exc}") from exc
-    except Exception as exc:  # invalid UTF-8 in a string (UnicodeDecodeError), deep nesting, ...
-        raise DecodeError(f"not a valid {cls.__name__} message: {type(exc).__name__}: {exc}") from exc
-    if message.schema_version != SCHEMA_VERSION:
-        raise DecodeError(
-            f"{cls.__name__} has schema_version {message.schema_version}, this build reads {SCHEMA_VERSION}"
-        )
+    version = _read(data, cls, _VERSION_DECODER).schema_version
+    if version not in READABLE_VERSIONS:  # before the strict decoding, which would call a new field unknown
+        readable = ", ".join(map(str, sorted(READABLE_VERSIONS)))
+        raise DecodeError(f"{cls.__name__} has schema_version {version}, this build reads {readable}")
+    message = _read(data, cls, _DECODERS[cls])
     if found := problems(message):
         more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
         raise DecodeError(f"not a valid {cls.__name__} message: {'; '.join(found[:3])}{more}")
     return message
+
+
+def _read(data: bytes, cls: type[Message], decoder: msgspec.msgpack.Decoder) -> Any:
+    """`decoder`'s struct of `data`, or DecodeError naming `cls`."""
+    try:
+        return decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise DecodeError(f"not a valid {cls.__name__} message: {exc}") from exc
+    except Exception as exc:  # invalid UTF-8 in a string (UnicodeDecodeError), deep nesting, ...
+        raise DecodeError(f"not a valid {cls.__name__} message: {type(exc).__name__}: {exc}") from exc

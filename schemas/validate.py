@@ -53,8 +53,11 @@ def prompt_group_problems(group: PromptGroup) -> list[str]:
 
 
 def segment_problems(segment: Segment) -> list[str]:
-    """A run of tokens the reward worker can join into a trajectory: one logprob per token, the group on
-    segment 0 only and for this trajectory's prompt."""
+    """A run of tokens the reward worker can join into a trajectory: one logprob (and mask entry) per token,
+    the group on segment 0 only and for this trajectory's prompt.
+
+    Where the mask's zeros lie is not checked: a tool may return nothing (a "tool" segment without a 0), and
+    a refused segment leaves its trajectory, and so its whole group, for ever incomplete."""
     problems = [
         *_trajectory_id("trajectory_id", segment.trajectory_id),
         *_non_empty("attempt", segment.attempt),
@@ -63,6 +66,7 @@ def segment_problems(segment: Segment) -> list[str]:
         *_token_ids("token_ids", segment.token_ids),
         *_same_length("logprobs", segment.logprobs, "token_ids", segment.token_ids),
         *_logprobs("logprobs", segment.logprobs),
+        *_loss_mask(segment.loss_mask, "token_ids", segment.token_ids),
     ]
     if segment.group is not None:
         problems += _segment_group(segment, segment.group)
@@ -70,8 +74,12 @@ def segment_problems(segment: Segment) -> list[str]:
 
 
 def scored_problems(scored: Scored) -> list[str]:
-    """A trajectory the trainer can train: ids that agree, one logprob and one version per completion
-    token, a terminal finish, a finite reward that stays finite through group normalisation."""
+    """A trajectory the trainer can train: ids that agree, one logprob, one version (and one mask entry) per
+    completion token, a terminal finish, a finite reward that stays finite through group normalisation.
+
+    A completion of tool tokens only is valid: it trains nothing (the loss and its token and sequence totals
+    count model tokens only), while refusing it would leave its group incomplete and stall the trainer at
+    the group's staleness deadline."""
     problems = [
         *_trajectory_of(scored.trajectory_id, scored.prompt_id, scored.sample_index),
         *_samples(scored.n_samples),
@@ -86,7 +94,9 @@ def scored_problems(scored: Scored) -> list[str]:
         *_logprobs("logprobs", scored.logprobs),
         *_versions_since(scored.versions, scored.released_at_version),
         *_at_least("num_segments", scored.num_segments, 1),
+        *_tool_calls(scored.tool_calls, scored.num_segments),
         *_reward(scored.reward),
+        *_loss_mask(scored.loss_mask, "completion_tokens", scored.completion_tokens),
     ]
     if scored.finish_reason not in TERMINAL_REASONS:
         problems.append(f"finish_reason {scored.finish_reason!r} is not terminal: a scored trajectory has ended")
@@ -225,6 +235,23 @@ def _versions_since(versions: list[int], released_at_version: int) -> list[str]:
     if not versions or min(versions) >= released_at_version:
         return []
     return [f"a token has version {min(versions)}, before the group's release at v{released_at_version}"]
+
+
+def _loss_mask(mask: list[int], name: str, tokens: Sequence) -> list[str]:
+    """Empty (every token a model token), or one 0 or 1 per token."""
+    if not mask:
+        return []
+    problems = _same_length("loss_mask", mask, name, tokens)
+    if not set(mask) <= {0, 1}:
+        bad = next(i for i, m in enumerate(mask) if m not in (0, 1))
+        problems.append(f"loss_mask[{bad}] is {mask[bad]}: 1 marks a model token, 0 a tool token")
+    return problems
+
+
+def _tool_calls(tool_calls: int, num_segments: int) -> list[str]:
+    if 0 <= tool_calls < max(num_segments, 1):
+        return []
+    return [f"tool_calls is {tool_calls}, must lie in [0, num_segments - 1]: the last segment is terminal"]
 
 
 def _reward(reward: float) -> list[str]:

@@ -9,7 +9,11 @@ is marked `e2e` here; `gpu` tests are skipped here when CUDA is not available.
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -122,3 +126,31 @@ def text_segment() -> Callable[..., object]:
         )
 
     return build
+
+
+@pytest.fixture(scope="session")
+def bubblewrap() -> str:
+    """bwrap's path once the sandbox (workers/reward/sandbox.py) runs here: Debian's package is installed with
+    apt-get when missing, as tests/integration/test_slurm.py installs Slurm; a failed install or sandbox fails."""
+    if sys.platform != "linux":
+        pytest.skip("the sandbox is bubblewrap, which needs Linux")
+    if shutil.which("bwrap") is None:
+        if os.geteuid() != 0:
+            pytest.skip("bwrap is missing, and installing it needs root (apt-get install bubblewrap)")
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        install = ["apt-get", "install", "-y", "--no-install-recommends", "bubblewrap"]
+        try:
+            done = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
+            if done.returncode != 0:  # a fresh machine may have no package lists yet
+                subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=300)
+                done = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            pytest.fail(f"could not install bubblewrap ({' '.join(install)}): {exc}")
+        if done.returncode != 0 or shutil.which("bwrap") is None:
+            pytest.fail(f"could not install bubblewrap ({' '.join(install)}):\n{(done.stdout + done.stderr)[-2000:]}")
+    from workers.reward.sandbox import SandboxError, require_bwrap
+
+    try:
+        return require_bwrap()
+    except SandboxError as exc:
+        pytest.fail(f"bwrap is installed but cannot run the sandbox here: {exc}")

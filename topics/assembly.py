@@ -1,8 +1,9 @@
 """Segments -> trajectories: the one join of version-tagged segments, for the reward worker and replay.
 
-A trajectory is the segments 0..k of one attempt, the last one terminal. A
-producer may deliver a segment twice and segments may arrive out of order; the
-first attempt of a trajectory id to complete wins, and the others are released.
+A trajectory is the segments 0..k of one attempt, the last one terminal (the
+others ended "interrupted" or at a "tool" call). A producer may deliver a
+segment twice and segments may arrive out of order; the first attempt of a
+trajectory id to complete wins, and the others are released.
 An assembler given a `refuse` check lets only an attempt it accepts win: one it
 refuses (poison: tokens outside the model, no group) is handed back alone and
 the trajectory stays open for the real attempt.
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from schemas.messages import TERMINAL_REASONS, Segment
+from schemas.messages import TERMINAL_REASONS, Segment, model_token_mask
 
 R = TypeVar("R")
 
@@ -54,6 +55,15 @@ class Attempt(Generic[R]):
     def versions(self) -> list[int]:
         """The policy version of each token."""
         return [segment.version for segment in self.segments for _ in segment.token_ids]
+
+    @property
+    def loss_mask(self) -> list[int]:
+        return token_mask(self.segments)
+
+
+def token_mask(segments: list[Segment]) -> list[int]:
+    """1 per model token, 0 per environment (tool output) token, over the segments' tokens in order."""
+    return [m for segment in segments for m in model_token_mask(segment.loss_mask, len(segment.token_ids))]
 
 
 @dataclass

@@ -57,6 +57,7 @@ def build_demo_model(config: RunConfig, out_dir: Path, progress: bool) -> str:
     """The task's demo model for `config`'s seed, built with the arguments `asyncrl run` (launch.prepare) gives it."""
     from pipeline.config import resolve
     from pipeline.demo_model import prepare_demo_model
+    from workers.rollout.workflow import load_workflow
 
     model_dir = prepare_demo_model(
         out_dir,
@@ -66,6 +67,7 @@ def build_demo_model(config: RunConfig, out_dir: Path, progress: bool) -> str:
         steps=resolve(config).model.warmup_steps,
         progress=progress,
         held_out=config.data.held_out,
+        workflow=load_workflow(config.rollout.workflow),
     )
     return str(model_dir)
 

@@ -12,8 +12,9 @@ import yaml
 
 from pipeline.cli import main
 from pipeline.demo_model import build_tokenizer
-from pipeline.replay import BrokerTopics, load_trajectory, render_trajectory, tail, version_runs
+from pipeline.replay import BrokerTopics, TrajectoryReplay, load_trajectory, render_trajectory, tail, version_runs
 from schemas.messages import BatchManifest, DroppedGroup, Message, PromptGroup, Scored, Segment
+from topics.assembly import Attempt
 from topics.broker import EmbeddedBroker
 from topics.clients import make_producer, send
 from topics.names import BATCHES, PROMPTS, SCORED, SEGMENTS, TopicLayout
@@ -115,6 +116,16 @@ async def test_trajectory_shows_every_attempt_with_the_versions_of_its_segments(
     assert 'prompt: "1+2="' in text
 
 
+def test_trajectory_marks_tool_tokens() -> None:
+    """A tool segment's output tokens (loss mask 0) show as @tool: they carry no version that trained."""
+    attempt = Attempt("p/0/0", "rollout-a:1")
+    calls = msgspec.structs.replace(segment("rollout-a:1", 0, 3, [ONE, TWO, THREE], "tool"), loss_mask=[1, 0, 0])
+    for part in (calls, segment("rollout-a:1", 1, 4, [EOS], "stop")):
+        attempt.add(part, None)
+    text = render_trajectory(TrajectoryReplay("p/0/0", [attempt], None), fake_decode)
+    assert "tokens: 1@v3 2@tool 3@tool <eos>@v4" in text and "segment 0  @v3  tool  3 tokens" in text
+
+
 def test_replay_trajectory_command_decodes_with_the_run_tokenizer(
     run_config: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -153,7 +164,7 @@ def test_tail_command_prints_json_lines(run_config: Path, capsys: pytest.Capture
     assert (record["offset"], record["key"], record["schema"]) == (1, "p/0", "Scored")
     assert record["message"]["versions"] == [4]
     assert main(["replay", "tail", "segments", "--limit", "1", "--config", str(run_config)]) == 0
-    assert "key='p/0/0'  Segment\n  schema_version: 1\n  trajectory_id" in capsys.readouterr().out
+    assert "key='p/0/0'  Segment\n  schema_version: 2\n  trajectory_id" in capsys.readouterr().out
 
 
 def test_replay_reads_an_export_file(run_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -221,7 +232,10 @@ def test_rescore_with_a_bad_reward_is_one_clear_line(
             "no_such_module:fn",
             "--reward: reward function 'no_such_module:fn' cannot be loaded: No module named 'no_such_module'",
         ),
-        ("reward_plugins", "--reward: data.reward 'reward_plugins': use 'builtin', 'math' or 'module:function'"),
+        (
+            "reward_plugins",
+            "--reward: data.reward 'reward_plugins': use 'builtin', 'math', 'code' or 'module:function'",
+        ),
         ("broken_reward:judge", "--reward: SyntaxError: "),
     ]:
         assert main(["replay", "rescore", "--reward", reward, "--config", str(run_config)]) == 2

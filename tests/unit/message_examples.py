@@ -57,6 +57,17 @@ SCORED = Scored(
     reward_details={"verifier": "exact"},
     completion_text="55",
 )
+TOOL = msgspec.structs.replace(  # the model's turn (a tool call, 6 7), then the tool's output (8 9): not trained
+    FIRST, token_ids=[6, 7, 8, 9], logprobs=[-0.25, -1.5, 0.0, 0.0], finish_reason="tool", loss_mask=[1, 1, 0, 0]
+)
+SCORED_TOOL = msgspec.structs.replace(  # TOOL, then the answer after the tool's output at v3
+    SCORED,
+    completion_tokens=[6, 7, 8, 9, 6, 1],
+    logprobs=[-0.25, -1.5, 0.0, 0.0, -0.5, -0.125],
+    versions=[2, 2, 2, 2, 3, 3],
+    loss_mask=[1, 1, 0, 0, 1, 1],
+    tool_calls=1,
+)
 WEIGHTS = WeightVersion(
     version=3, uri="/w/v3.safetensors", content_hash="0f" * 32, step=3, groups_consumed=24, groups_dropped=1
 )
@@ -69,4 +80,4 @@ MANIFEST = BatchManifest(
     dropped=[DroppedGroup(prompt_id="e0-r2", reason="stale")],
 )
 LETTER = DeadLetter(origin="reward-0", source="segments", reason="bad", payload=b"\x00\xff", partition=0, offset=4)
-VALID: list[Message] = [GROUP, FIRST, LATER, SCORED, WEIGHTS, MANIFEST, LETTER]
+VALID: list[Message] = [GROUP, FIRST, LATER, TOOL, SCORED, SCORED_TOOL, WEIGHTS, MANIFEST, LETTER]

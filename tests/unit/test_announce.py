@@ -41,7 +41,7 @@ ANNOUNCED = WeightVersion(
     groups_dropped=1,
     final=True,
 )
-SIGNED = "f14abe6d03e7cdf92d9212f5cb45987758f153a54c06af8adafd4ce7687132a4"
+SIGNED = "2702bd4c164a0cbd2cbe18132fb99c5451ddbf6b46a1a151f4875537f5052504"  # of schema_version 2 bytes
 
 
 def test_the_signature_is_hmac_sha256_of_the_announcement_bytes():

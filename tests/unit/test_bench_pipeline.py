@@ -88,7 +88,11 @@ def test_one_demo_model_for_the_task_and_seed_serves_the_three_runs(monkeypatch)
     monkeypatch.setattr(pipeline.demo_model, "prepare_demo_model", fake_prepare)
     configs = shared_model(variant_configs(args_for("--task", "arith", "--seed", "3"))[0], progress=False)
     assert calls == [
-        ("arith-seed3", "arith", {"seed": 3, "task_seed": 3, "steps": 150, "progress": False, "held_out": 200})
+        (
+            "arith-seed3",
+            "arith",
+            {"seed": 3, "task_seed": 3, "steps": 150, "progress": False, "held_out": 200, "workflow": None},
+        )
     ]  # 150: arith's warm-up cap, as `asyncrl run` resolves it
     assert len({c.model.path for c in configs.values()}) == 1 and configs["sync"].model.path.endswith("arith-seed3")
 

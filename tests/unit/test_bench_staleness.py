@@ -96,7 +96,13 @@ def test_one_model_per_seed_built_for_the_task_as_asyncrl_run_builds_it(tmp_path
     configs = staleness.run_configs(plan, "arith", ["runs_dir=/tmp/x"])
     models = staleness.build_models(configs, tmp_path, progress=False)
     assert models == {0: str(tmp_path / "seed0"), 7: str(tmp_path / "seed7")}
-    expected = {"task_seed": 0, "steps": 150, "progress": False, "held_out": 200}  # 150: arith's warm-up cap, resolved
+    expected = {
+        "task_seed": 0,
+        "steps": 150,
+        "progress": False,
+        "held_out": 200,
+        "workflow": None,
+    }  # 150: arith's warm-up cap, resolved
     assert calls == [
         ("seed0", "arith", {"seed": 0, **expected}),
         ("seed7", "arith", {"seed": 7, **expected, "task_seed": 7}),

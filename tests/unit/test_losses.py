@@ -222,3 +222,30 @@ def test_kl_penalty_to_reference_by_hand():
     assert theta.grad[0, 1].item() == pytest.approx(0.0)
     with pytest.raises(ValueError, match="ref_logp"):
         decoupled_ppo_loss(theta, theta, theta, zero, mask, KL)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_a_tool_token_is_absent_from_loss_gradient_and_stats_by_hand(level):
+    """Token 1 is a tool's output (mask 0): in float32 its log-ratios overflow (exp(200), exp(100)), yet it adds
+    nothing, not even NaN. Tokens 0 and 2: r = 0.7/0.5 = 1.4; A = 2 clips to -1.2 * 2, A = -1 keeps -1.4 * -1."""
+    theta = torch.tensor([[math.log(0.7), -100.0, math.log(0.7)]], requires_grad=True)
+    prox = torch.tensor([[math.log(0.5), -300.0, math.log(0.5)]])  # naive PPO: the behaviour placeholder
+    ref = torch.tensor([[math.log(0.7), 0.0, math.log(0.7)]])  # agrees with theta on the model's tokens
+    adv, mask = torch.tensor([[2.0, -1.0, -1.0]]), torch.tensor([[1.0, 0.0, 1.0]])
+    settings = LossSettings(clip_eps=0.2, kl_coef=0.1, behaviour_weight_level=level)
+    loss, stats = decoupled_ppo_loss(theta, prox, prox, adv, mask, settings, ref_logp=ref)
+    loss.backward()
+    assert loss.item() == pytest.approx((-2.4 + 1.4) / 2)
+    # token 0 is clipped (no gradient); token 2: d/dtheta of -r*A = 1.4, over 2 tokens; the KL's is 0 where equal
+    assert theta.grad[0].tolist() == pytest.approx([0.0, 0.0, 0.7])
+    assert stats == pytest.approx(
+        {
+            "clip_fraction": 0.5,
+            "ratio_mean": 1.4,
+            "behaviour_weight_mean": 1.0,
+            "behaviour_weight_max": 1.0,
+            "behaviour_weight_min": 1.0,
+            "behaviour_weight_over_cap": 0.0,
+            "kl_ref": 0.0,
+        }
+    )

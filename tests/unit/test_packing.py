@@ -8,7 +8,7 @@ import torch
 from workers.trainer.losses import LossSettings, decoupled_ppo_loss
 from workers.trainer.microbatch import allocator
 from workers.trainer.packing import pack
-from workers.trainer.step import accumulate_gradients, collate, token_logprobs
+from workers.trainer.step import Row, accumulate_gradients, collate, token_logprobs
 
 torch.set_num_threads(1)
 
@@ -26,14 +26,16 @@ def test_pack_by_hand():
     assert packed.unpack(torch.tensor([10.0, 11.0, 12.0, 13.0, 14.0])).tolist() == [[10, 11, 0], [13, 0, 0], [0, 0, 0]]
 
 
-def random_sequences(n: int, seed: int = 0):
+def random_sequences(n: int, seed: int = 0, tools: bool = False):
+    """`n` random rows and their advantages; `tools`: with a random loss mask each (about a third tool tokens)."""
     g = torch.Generator().manual_seed(seed)
     sequences = []
     for _ in range(n):
         prompt_len, completion_len = (int(torch.randint(1, hi, (1,), generator=g)) for hi in (5, 8))
         completion = torch.randint(1, 16, (completion_len,), generator=g).tolist()
         behav = (-torch.rand(completion_len, generator=g) * 3 - 1).tolist()
-        sequences.append((torch.randint(1, 16, (prompt_len,), generator=g).tolist(), completion, behav))
+        mask = (torch.rand(completion_len, generator=g) > 0.3).long().tolist() if tools else []
+        sequences.append(Row(torch.randint(1, 16, (prompt_len,), generator=g).tolist(), completion, behav, mask))
     return sequences, torch.randn(n, generator=g).tolist()
 
 
@@ -73,12 +75,15 @@ LOSS_OPTIONS = [  # caps that hit some tokens / sequences of the batch below (it
 ]
 
 
+@pytest.mark.parametrize("tools", [False, True], ids=["model tokens", "with tool tokens"])
 @pytest.mark.parametrize("options", LOSS_OPTIONS, ids=[o["aggregation"] for o in LOSS_OPTIONS])
-def test_packed_microbatched_gradients_equal_padded(options, tiny_qwen2):
+def test_packed_microbatched_gradients_equal_padded(options, tools, tiny_qwen2):
     settings = LossSettings(clip_eps=0.2, clip_eps_high=0.28, max_new_tokens=8, **options)
     padded_model = tiny_qwen2()
     packed_model = copy.deepcopy(padded_model)
-    batch = collate(*random_sequences(8, seed=1), pad_id=0)
+    sequences, advantages = random_sequences(8, seed=1, tools=tools)
+    batch = collate(sequences, advantages, pad_id=0)
+    assert (batch.loss_mask.sum() < sum(len(row.completion) for row in sequences)) == tools  # tool tokens masked
     noise = torch.randn(batch.behav_logp.shape, generator=torch.Generator().manual_seed(2)) * 0.3  # [N, T-1]
     with torch.no_grad():
         prox = (padded_logprobs(padded_model, batch) + noise) * batch.loss_mask  # [N, T-1] ratios off 1

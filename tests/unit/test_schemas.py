@@ -2,9 +2,10 @@
 
 import msgspec
 import pytest
-from message_examples import GROUP, VALID, WEIGHTS
+from message_examples import FIRST, GROUP, SCORED, SCORED_TOOL, VALID, WEIGHTS
 
 from schemas.messages import (
+    READABLE_VERSIONS,
     SCHEMA_VERSION,
     TOPIC_MESSAGE,
     DecodeError,
@@ -49,6 +50,32 @@ def test_unknown_schema_version_is_rejected():
     future = msgspec.structs.replace(WEIGHTS, schema_version=SCHEMA_VERSION + 1)
     with pytest.raises(DecodeError, match="schema_version"):
         decode(encode(future), WeightVersion)
+
+
+def test_a_newer_version_is_named_before_its_new_fields_are_called_unknown():
+    """What a version 1 reader meets in a version 2 record, one version on: the version, not 'unknown field'."""
+    assert SCHEMA_VERSION == 2 and sorted(READABLE_VERSIONS) == [1, 2]
+    future = msgspec.msgpack.encode({**msgspec.to_builtins(SCORED_TOOL), "schema_version": 3, "turns": [0, 5]})
+    with pytest.raises(DecodeError) as refused:
+        decode(future, Scored)
+    assert str(refused.value) == "Scored has schema_version 3, this build reads 1, 2"
+    with pytest.raises(DecodeError, match="unknown field `turns`"):  # a field no version has: still refused
+        decode(msgspec.msgpack.encode({**msgspec.to_builtins(SCORED_TOOL), "turns": [0, 5]}), Scored)
+
+
+@pytest.mark.parametrize("message", [SCORED, FIRST], ids=lambda m: type(m).__name__)
+def test_a_version_1_record_decodes_with_the_new_fields_at_their_defaults(message):
+    """Old exports and topics replay: version 1 had no loss_mask and no tool_calls."""
+    fields = msgspec.to_builtins(message)
+    old = {name: value for name, value in fields.items() if name not in ("loss_mask", "tool_calls")}
+    decoded = decode(msgspec.msgpack.encode({**old, "schema_version": 1}), type(message))
+    assert decoded == msgspec.structs.replace(message, schema_version=1, loss_mask=[])
+    assert decoded.loss_mask == [] and getattr(decoded, "tool_calls", 0) == 0
+
+
+def test_interruptions_are_the_non_terminal_segments_that_were_no_tool_call():
+    assert (SCORED.num_segments, SCORED.tool_calls, SCORED.interruptions) == (2, 0, 1)
+    assert (SCORED_TOOL.num_segments, SCORED_TOOL.tool_calls, SCORED_TOOL.interruptions) == (2, 1, 0)
 
 
 def test_bad_finish_reason_is_rejected():

@@ -4,11 +4,20 @@ import copy
 
 import pytest
 import torch
+from message_examples import SCORED, SCORED_TOOL
 
 from workers.trainer.losses import LossSettings, decoupled_ppo_loss
-from workers.trainer.step import StepSettings, collate, token_logprobs, train_step
+from workers.trainer.microbatch import allocator
+from workers.trainer.model import trained_versions
+from workers.trainer.step import WHOLE_BATCH, Row, StepSettings, TrainBatch, collate, token_logprobs, train_step
 
 SEQS = [([3, 4, 5], [6, 7], [-1.0, -2.0]), ([3, 4], [8, 9, 1], [-0.5, -0.25, -3.0]), ([5], [6], [-1.5])]
+# a tool call (6), its output (7 8: mask 0, placeholder logprobs), the answer (9); a plain row; output first
+TOOL_SEQS = [
+    Row([3, 4], [6, 7, 8, 9], [-1.0, 0.0, 0.0, -2.0], [1, 0, 0, 1]),
+    Row([3, 4], [8, 9, 1], [-0.5, -0.25, -3.0]),
+    Row([5], [6, 9], [0.0, -0.5], [0, 1]),
+]
 ADV = [1.0, -0.5, 0.25]
 PPO = LossSettings(clip_eps=0.2)
 
@@ -26,6 +35,53 @@ def test_collate_aligns_completion_tokens_with_their_predicting_position():
     assert batch.loss_mask.tolist() == [[0, 0, 1, 1], [0, 1, 1, 1], [1, 0, 0, 0]]
     assert batch.behav_logp[1].tolist() == [0, -0.5, -0.25, -3.0]
     assert batch.advantages[0].tolist() == [0, 0, 1.0, 1.0]
+
+
+def test_collate_trains_the_model_tokens_only():
+    batch = collate(TOOL_SEQS, ADV, pad_id=0)
+    assert batch.input_ids.tolist()[0] == [3, 4, 6, 7, 8, 9]
+    assert batch.loss_mask.tolist() == [[0, 1, 0, 0, 1], [0, 1, 1, 1, 0], [0, 1, 0, 0, 0]]
+    assert batch.behav_logp[0].tolist() == [0, -1.0, 0.0, 0.0, -2.0]
+    assert batch.advantages[0].tolist() == [0, 1.0, 1.0, 1.0, 1.0]  # sequence level; the mask decides
+    plain = collate([Row(*SEQS[0], [1, 1]), SEQS[0]], [1.0, 1.0], pad_id=0)  # the empty mask means all ones
+    assert plain.loss_mask[0].tolist() == plain.loss_mask[1].tolist() == [0, 0, 1, 1]
+
+
+def test_only_model_tokens_count_in_the_token_statistics():
+    assert trained_versions(SCORED_TOOL) == [2, 2, 3, 3]  # tokens 8 9 are the tool's: no version trained
+    assert trained_versions(SCORED) == SCORED.versions
+
+
+def tampered(batch: TrainBatch) -> TrainBatch:
+    """`batch` with arbitrary behaviour logprobs and advantages wherever the loss mask is 0 (tool tokens, prompt,
+    padding): far enough off that exp() of their log-ratio overflows."""
+    masked = batch.loss_mask == 0  # [N, T-1]
+    g = torch.Generator().manual_seed(3)
+    noise = torch.randn(batch.behav_logp.shape, generator=g) * 1e3  # [N, T-1]
+    behav = torch.where(masked, -noise.abs() - 200.0, batch.behav_logp)  # [N, T-1]
+    advantages = torch.where(masked, noise, batch.advantages)  # [N, T-1]
+    return TrainBatch(batch.input_ids, batch.attention_mask, batch.loss_mask, behav, advantages)
+
+
+@pytest.mark.parametrize(
+    ("decoupled", "minibatches", "split"),
+    [(False, 1, WHOLE_BATCH), (True, 1, WHOLE_BATCH), (True, 2, WHOLE_BATCH), (True, 1, allocator("fixed", 0, 0, 2))],
+    ids=["naive", "decoupled", "2 minibatches", "2 micro-batches"],
+)
+def test_tool_tokens_change_neither_the_update_nor_its_stats(model, decoupled, minibatches, split):
+    """Whatever the masked positions hold, the step is bit for bit the same: the packed forward, the loss,
+    the gradients, the AdamW update and every statistic (entropy, clip fraction, behaviour weights)."""
+    batch = collate(TOOL_SEQS, ADV, pad_id=0)
+    settings = StepSettings(decoupled, minibatches, grad_clip=1.0, temperature=1.0, loss=PPO, split=split)
+    results = []
+    for data in (batch, tampered(batch)):
+        local = copy.deepcopy(model)
+        stats = train_step(local, torch.optim.AdamW(local.parameters(), lr=1e-2), data, settings)
+        results.append((stats, [p.detach() for p in local.parameters()]))
+    (stats, weights), (stats_tampered, weights_tampered) = results
+    assert stats == stats_tampered and stats["skipped_updates"] == 0 and stats["grad_norm"] > 0
+    assert stats["microbatches"] == (1 if split is WHOLE_BATCH else 2)
+    assert all(torch.equal(a, b) for a, b in zip(weights, weights_tampered, strict=True))
 
 
 def reference_step(model, batch, minibatches):

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from message_examples import FIRST, GROUP, LATER, MANIFEST, SCORED, VALID, WEIGHTS
+from message_examples import FIRST, GROUP, LATER, MANIFEST, SCORED, TOOL, VALID, WEIGHTS
 
 from schemas import messages
 from schemas.messages import (
@@ -87,11 +87,30 @@ def test_prompt_group_rules(changes, expected):
         (FIRST, {"group": msgspec.structs.replace(GROUP, prompt_id="e0-r9")}, ["group.prompt_id 'e0-r9'"]),
         (FIRST, {"trajectory_id": "e0-r17/8"}, ["sample_index 8 is outside the group's 8 samples"]),
         (FIRST, {"version": 0}, ["version 0 precedes the group's release at v1"]),
+        (TOOL, {"loss_mask": [1, 0, 0]}, ["3 loss_mask for 4 token_ids"]),
+        (TOOL, {"loss_mask": [1, 0, 2, 0]}, ["loss_mask[2] is 2: 1 marks a model token, 0 a tool token"]),
+        (TOOL, {"loss_mask": [-1, 1, 0, 0]}, ["loss_mask[0] is -1"]),
     ],
-    ids=lambda value: {id(FIRST): "segment0", id(LATER): "segment1"}.get(id(value), str(value)),
+    ids=lambda value: {id(FIRST): "segment0", id(LATER): "segment1", id(TOOL): "tool"}.get(id(value), str(value)),
 )
 def test_segment_rules(base, changes, expected):
     check(base, changes, expected)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},  # the model's turn, then the tool's output
+        {"loss_mask": []},  # a tool that returned nothing: every token is the model's
+        {"loss_mask": [1, 1, 1, 1]},  # the same, spelled out
+        {"loss_mask": [0, 0, 0, 0]},  # only tool output: an interrupted turn's call was cut before the tool ran
+        {"loss_mask": [1, 0, 1, 0]},  # zeros anywhere: where the tool output lies is the rollout's to say
+        {"finish_reason": "stop"},  # tool output before the end: a final turn after the tool, in one segment
+    ],
+    ids=str,
+)
+def test_tool_segments_that_are_valid(changes):
+    assert problems_after(TOOL, **changes) == []
 
 
 @pytest.mark.parametrize(
@@ -119,6 +138,12 @@ def test_segment_rules(base, changes, expected):
         ({"reward": MAX_ABS_REWARD * 10}, ["reward is 10000000.0, must be finite and within ±1e+06"]),
         ({"finish_reason": "interrupted"}, ["finish_reason 'interrupted' is not terminal"]),
         ({"completion_tokens": [], "logprobs": [], "versions": []}, ["completion_tokens is empty, yet"]),
+        ({"finish_reason": "tool"}, ["finish_reason 'tool' is not terminal"]),
+        ({"loss_mask": [1, 0]}, ["2 loss_mask for 3 completion_tokens"]),
+        ({"loss_mask": [1, 1, 3]}, ["loss_mask[2] is 3: 1 marks a model token, 0 a tool token"]),
+        ({"tool_calls": -1}, ["tool_calls is -1, must lie in [0, num_segments - 1]"]),
+        ({"tool_calls": 2}, ["tool_calls is 2, must lie in [0, num_segments - 1]: the last segment is terminal"]),
+        ({"num_segments": 0, "tool_calls": 0}, ["num_segments is 0"]),  # said once, not again by tool_calls
     ],
     ids=str,
 )
@@ -132,6 +157,9 @@ def test_scored_rules(changes, expected):
         {"logprobs": [-0.25, -1.5, 1e-4]},  # float32 rounding of a near-certain token
         {"reward": -MAX_ABS_REWARD},
         {"completion_tokens": [], "logprobs": [], "versions": [], "finish_reason": "error"},  # refused prompt
+        {"loss_mask": [1, 1, 1]},  # spelled out, as the empty mask means
+        {"loss_mask": [0, 0, 0]},  # tool output only: trains nothing, but refusing it would stall its group
+        {"tool_calls": 1},  # segment 0 ended at a tool call that returned nothing
     ],
     ids=str,
 )
@@ -242,6 +270,8 @@ def assert_usable(message: Message) -> None:
     tokens = fields.get("token_ids", fields.get("completion_tokens"))
     for name in ("logprobs", "versions"):
         assert name not in fields or len(fields[name]) == len(tokens)
+    mask = fields.get("loss_mask", [])
+    assert set(mask) <= {0, 1} and (not mask or len(mask) == len(tokens))
     if "n_samples" in fields:
         assert fields["n_samples"] >= 1 and fields["prompt_tokens"]
     if isinstance(message, Scored):

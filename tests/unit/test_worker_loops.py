@@ -111,6 +111,33 @@ async def test_reward_loop_first_finished_attempt_wins_and_poison_goes_to_dead_l
     assert broker.committed[("reward", transport.layout.name("segments"))] == {0: 6}  # everything processed
 
 
+async def test_reward_loop_joins_the_loss_masks_of_tool_segments(tmp_path, model_dir, text_segment):
+    """A tool segment's output tokens (mask 0) stay untrained in `scored`, the reward function reads them, and a
+    tool call is no interruption; a trajectory of model tokens only keeps the empty mask."""
+    tokenizer = build_tokenizer(model_dir)
+    config = config_for(tmp_path, model_dir, "data.n_samples=2")
+    transport = MemoryTransport(TopicLayout())
+    call = text_segment(tokenizer, "e0-r1/0", "a:0", 0, 3, "55", "tool", GROUP)  # the model's "5", the tool's "5"
+    async with transport.outbox() as outbox:
+        for message in [
+            msgspec.structs.replace(call, loss_mask=[1, 0], logprobs=[-0.5, 0.0]),
+            text_segment(tokenizer, "e0-r1/0", "a:0", 1, 4, "", "stop"),  # the model's last turn: eos
+            text_segment(tokenizer, "e0-r1/1", "a:1", 0, 3, "5", "interrupted", GROUP),
+            text_segment(tokenizer, "e0-r1/1", "a:1", 1, 4, "4", "stop"),
+        ]:
+            await outbox.send("segments", message, key="k")
+    stop = asyncio.Event()
+    scored = lambda: transport.broker.messages("scored", Scored)  # noqa: E731
+    await run_until(reward_worker.main(config, stop, transport), stop, lambda: len(scored()) == 2)
+
+    tool, plain = sorted(scored(), key=lambda s: s.trajectory_id)
+    five, eos = tokenizer("5")["input_ids"][0], tokenizer.eos_token_id
+    assert (tool.completion_tokens, tool.loss_mask, tool.versions) == ([five, five, eos], [1, 0, 1], [3, 3, 4])
+    assert (tool.logprobs, tool.completion_text, tool.reward) == ([-0.5, 0.0, -0.5], "55", 1.0)  # "5" alone: 0
+    assert (tool.num_segments, tool.tool_calls, tool.interruptions) == (2, 1, 0)
+    assert (plain.loss_mask, plain.num_segments, plain.tool_calls, plain.interruptions) == ([], 2, 0, 1)
+
+
 async def test_reward_loop_commits_nothing_past_an_unfinished_attempt(tmp_path, model_dir, text_segment):
     tokenizer = build_tokenizer(model_dir)
     config = config_for(tmp_path, model_dir, "data.n_samples=2")

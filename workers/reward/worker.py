@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from schemas.config import RunConfig
 from schemas.messages import Scored, Segment, split_trajectory_id
-from topics.assembly import Attempt, SegmentAssembler
+from topics.assembly import Attempt, SegmentAssembler, token_mask
 from topics.names import REWARD_GROUP
 from topics.tracing import trace_headers
 from topics.transport import Delivery, Inbox, Outbox, Transport
@@ -33,7 +33,9 @@ METRICS_PERIOD_S = 1.0
 
 
 def assemble(segments: list[Segment], completion_text: str, reward: float, details: dict[str, str]) -> Scored:
-    group = segments[0].group
+    """The trajectory of a complete attempt; its loss mask stays empty while every token is a model token
+    (single-turn trajectories are then what they were before tools)."""
+    group, mask = segments[0].group, token_mask(segments)
     return Scored(
         trajectory_id=segments[0].trajectory_id,
         prompt_id=group.prompt_id,
@@ -51,6 +53,8 @@ def assemble(segments: list[Segment], completion_text: str, reward: float, detai
         reward=reward,
         reward_details=details,
         completion_text=completion_text,
+        loss_mask=mask if 0 in mask else [],
+        tool_calls=sum(s.finish_reason == "tool" for s in segments),
     )
 
 

@@ -7,6 +7,8 @@ KV cache of every unfinished prefix. With `rollout.interrupt=false` it instead
 stops admitting, lets in-flight sequences finish on the old weights, then loads.
 A prompt's offset is committed only once all of its trajectories are emitted.
 `rollout.backend` picks the engine: the embedded torch one, or vLLM (same interface).
+With `rollout.workflow` a turn ending with a call is answered (`workers/rollout/workflow.py`) while the
+engine goes on with the others, and the trajectory continues from the reply in a new turn.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from workers.announce import AnnouncementCheck, load_key
 from workers.models import load_causal_lm
 from workers.rollout.engine import Engine
 from workers.rollout.protocol import RolloutEngine, SamplingParams, Sequence
+from workers.rollout.workflow import Conversation, call_token_of, is_call, load_workflow
 from workers.vocab import outside_vocab
 from workers.weights import WeightsError, verify
 
@@ -48,6 +51,7 @@ class InFlight:
     segments_sent: dict[str, int] = field(default_factory=dict)  # trajectory id -> segments emitted
     tokens_sent: dict[str, int] = field(default_factory=dict)  # trajectory id -> tokens emitted
     last_sent_ns: dict[str, int] = field(default_factory=dict)  # trajectory id -> when its last segment left
+    conversations: dict[str, Conversation] = field(default_factory=dict)  # trajectory id -> its finished turns
 
     @property
     def group(self) -> PromptGroup:
@@ -81,19 +85,24 @@ class Rollout:
     def __init__(self, ctx: runtime.WorkerContext, outbox: Outbox, engine: RolloutEngine):
         self.ctx, self.outbox, self.engine = ctx, outbox, engine
         cfg = ctx.config.rollout
-        eos = AutoTokenizer.from_pretrained(ctx.config.model.path).eos_token_id
+        self.tokenizer = AutoTokenizer.from_pretrained(ctx.config.model.path)
+        self.workflow = load_workflow(cfg.workflow)
+        self.call_token = self.workflow and call_token_of(self.tokenizer, self.workflow.call_end)
+        stops = [self.tokenizer.eos_token_id, self.call_token]
         self.params = SamplingParams(
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             top_k=cfg.top_k,
             max_new_tokens=cfg.max_new_tokens,
-            stop_token_ids=(eos,) if eos is not None else (),
+            stop_token_ids=tuple(t for t in stops if t is not None),
         )
         self.groups: dict[str, InFlight] = {}  # prompt id -> group
         self.counter = itertools.count()
         self.interrupted = 0  # segments cut by a new version
         self.generated_tokens = 0  # every token emitted, interrupted runs included
         self.refused_version = -1  # the newest announced version whose file failed verification
+        self.answering: set[asyncio.Task] = set()  # calls being answered, out of the engine meanwhile
+        self.answered: list[tuple[str, Conversation]] = []  # their next turns, submitted by the next `step`
 
     def wants(self, announced: WeightVersion | None) -> bool:
         """A version newer than the engine's that has not been refused."""
@@ -111,6 +120,7 @@ class Rollout:
         keys = [trajectory_id(flight.group.prompt_id, sample) for sample in range(flight.group.n_samples)]
         for key in keys:
             flight.attempts[key] = f"{self.ctx.id}:{next(self.counter)}"
+            flight.conversations[key] = Conversation(flight.group.prompt_tokens)
         try:  # the engine checks the prompt, so only the first submit can fail
             for key in keys:
                 self.engine.submit(key, flight.group.prompt_tokens, self.params)
@@ -123,13 +133,17 @@ class Rollout:
         flight.last_sent_ns.update((key, started) for key in keys)
         return True
 
-    async def emit(self, seq: Sequence, finish_reason: str) -> InFlight:
-        """Send the tokens of `seq` generated since its last segment; returns its group."""
-        flight = self.groups[prompt_id_of(seq.key)]
-        start = flight.tokens_sent.get(seq.key, 0)
-        version = seq.versions[start] if start < len(seq.versions) else self.engine.version
-        await self.send(flight, seq.key, version, seq.token_ids[start:], seq.logprobs[start:], finish_reason)
-        flight.tokens_sent[seq.key] = len(seq.token_ids)
+    async def emit(self, seq: Sequence | None, finish_reason: str, key: str = "") -> InFlight:
+        """Send the trajectory's tokens (finished turns, replies and the turn `seq` under way) since its last
+        segment; returns its group."""
+        key = seq.key if seq is not None else key
+        flight = self.groups[prompt_id_of(key)]
+        conversation, start = flight.conversations[key], flight.tokens_sent.get(key, 0)
+        tokens, logprobs, versions, mask = conversation.with_turn(seq or Sequence(key, [], self.params))
+        version = versions[start] if start < len(versions) else self.engine.version
+        loss_mask = mask[start:] if 0 in mask[start:] else []
+        await self.send(flight, key, version, tokens[start:], logprobs[start:], finish_reason, loss_mask=loss_mask)
+        flight.tokens_sent[key] = len(tokens)
         return flight
 
     async def send(
@@ -141,6 +155,7 @@ class Rollout:
         logprobs: list[float],
         finish_reason: str,
         error: str = "",
+        loss_mask: list[int] | None = None,
     ) -> None:
         """One segment on `segments`, with a span (in the prompt's trace) covering its generation."""
         index, now = flight.segments_sent.get(key, 0), time.time_ns()
@@ -170,6 +185,7 @@ class Rollout:
                 worker_id=self.ctx.id,
                 group=flight.group if index == 0 else None,
                 error=error,
+                loss_mask=loss_mask or [],
             ),
             key=key,
             headers=trace_headers(span),
@@ -186,7 +202,8 @@ class Rollout:
         try:
             weights = await asyncio.to_thread(verify, announced.uri, announced.content_hash, announced.version)
             for seq in self.engine.interrupt():
-                if len(seq.token_ids) > self.groups[prompt_id_of(seq.key)].tokens_sent.get(seq.key, 0):
+                flight = self.groups[prompt_id_of(seq.key)]
+                if len(flight.conversations[seq.key].with_turn(seq)[0]) > flight.tokens_sent.get(seq.key, 0):
                     await self.emit(seq, "interrupted")
                     self.interrupted += 1
             await asyncio.to_thread(self.engine.update_weights, weights)
@@ -208,14 +225,39 @@ class Rollout:
         return True
 
     async def step(self) -> list[InFlight]:
-        """One decode step; returns groups whose trajectories are now all emitted."""
+        """Go on with answered calls, then one decode step; returns groups whose trajectories are now all
+        emitted. A turn ending with a call is answered in a thread (`answer`) while the engine goes on."""
+        ended = [await self.next_turn(key, conversation) for key, conversation in self.answered]
+        self.answered = []
+        for seq in await asyncio.to_thread(self.engine.step) if not self.engine.idle() else []:
+            conversation = self.groups[prompt_id_of(seq.key)].conversations[seq.key]
+            if is_call(seq, self.call_token) and conversation.calls < self.workflow.max_calls:
+                task = asyncio.create_task(self.answer(seq, conversation))
+                self.answering.add(task)
+                task.add_done_callback(self.answering.discard)
+            else:
+                ended.append(await self.emit(seq, seq.finish_reason or "length"))
         done = []
-        for seq in await asyncio.to_thread(self.engine.step):
-            flight = await self.emit(seq, seq.finish_reason or "length")
+        for flight in filter(None, ended):
             flight.unfinished -= 1
             if flight.unfinished == 0:
                 done.append(self.groups.pop(flight.group.prompt_id))
         return done
+
+    async def answer(self, seq: Sequence, conversation: Conversation) -> None:
+        """Append the workflow's reply to the call ending `seq` to its conversation; `step` sends both as a
+        `tool` segment and submits the next turn."""
+        text = await asyncio.to_thread(self.workflow.respond, conversation.transcript(seq, self.tokenizer))
+        conversation.add_reply(seq, text, self.tokenizer, self.params, self.workflow.max_reply_chars)
+        self.answered.append((seq.key, conversation))
+
+    async def next_turn(self, key: str, conversation: Conversation) -> InFlight | None:
+        """Send the answered turn and submit the next one; with no room left, the trajectory ends (its group)."""
+        if (turn := conversation.next_turn(self.params)) is None:
+            return await self.emit(None, "length", key=key)
+        await self.emit(None, "tool", key=key)
+        self.engine.submit(key, *turn)
+        return None
 
 
 async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | None = None) -> None:
@@ -242,7 +284,7 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
             waiting += await screen(prompts, arrived, rollout.engine.vocab)
             await admit(rollout, prompts, waiting, holding=new_version and not interrupt)
             await prompts.commit()
-            if rollout.engine.idle():
+            if rollout.engine.idle() and not rollout.answered:  # calls being answered come back meanwhile
                 await asyncio.sleep(0.005)
                 continue
             for flight in await rollout.step():

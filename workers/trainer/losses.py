@@ -1,7 +1,10 @@
 """Policy losses as pure functions of per-token tensors (no model, no config).
 
 Shapes: every tensor is [N, T] over N sequences and T completion positions;
-`mask` is 1.0 on real completion tokens and 0.0 on padding.
+`mask` is 1.0 on the model's completion tokens and 0.0 on padding and on tool
+tokens (environment output the model conditions on but is not trained on). Every
+sum, mean, statistic and total counts masked tokens as absent, whatever finite
+logprobs and advantages they hold.
 
 Micro-batches: a loss over part of a minibatch is divided by the totals of the
 whole minibatch (`totals`, see `batch_totals`), so the losses and gradients of its
@@ -18,7 +21,7 @@ import torch
 
 
 def batch_totals(mask: torch.Tensor) -> tuple[float, float]:
-    """(completion tokens, sequences with at least one completion token), each at least 1."""
+    """(trained tokens, sequences with at least one trained token), each at least 1."""
     tokens = mask.sum().clamp(min=1).item()
     sequences = (mask.sum(-1) > 0).sum().clamp(min=1).item()
     return tokens, sequences
@@ -140,13 +143,15 @@ def decoupled_ppo_loss(
     loss_t = -w * min(r*A, clip(r, 1-eps, 1+eps_high)*A), r = pi_theta/pi_prox, w = pi_prox/pi_behav,
     plus kl_coef * KL(pi_theta || pi_ref), aggregated alike. With prox_logp == behav_logp it is
     standard (naive) PPO. `totals`: (tokens, sequences) of the whole minibatch this batch is a
-    micro-batch of; default: this batch's own.
+    micro-batch of; default: this batch's own. Masked tokens (padding, prompt, tool output) enter only as
+    ratios of 1: the model may find a tool's output unlikely enough that exp(log-ratio) overflows, and
+    inf * 0 would make the loss NaN.
     """
     s = settings
     totals = totals if totals is not None else batch_totals(mask)
     weight = behaviour_weights(prox_logp, behav_logp, mask, s.behaviour_weight_level)  # [N, T]
     applied, over_cap = capped_behaviour_weights(weight, s.behaviour_weight_cap, s.behaviour_weight_mode)  # [N, T]
-    ratio = torch.exp(logp - prox_logp)  # [N, T]
+    ratio = torch.exp((logp - prox_logp) * mask)  # [N, T]; 1 where masked: a tool token's may overflow
     unclipped = ratio * advantages  # [N, T]
     clipped = ratio.clamp(1.0 - s.clip_eps, 1.0 + (s.clip_eps_high or s.clip_eps)) * advantages  # [N, T]
     per_token = -applied * torch.minimum(unclipped, clipped)  # [N, T]
@@ -154,7 +159,7 @@ def decoupled_ppo_loss(
     if s.kl_coef > 0:
         if ref_logp is None:
             raise ValueError("kl_coef > 0 needs ref_logp, the reference policy's logprobs")
-        kl = kl_to_reference(logp, ref_logp)  # [N, T]
+        kl = kl_to_reference(logp * mask, ref_logp * mask)  # [N, T]; 0 where masked, as the ratio
         per_token = per_token + s.kl_coef * kl
     loss = aggregate(per_token, mask, s.aggregation, totals, s.max_new_tokens)
     return loss, loss_stats(mask, totals[0], ratio, weight, over_cap, clipped < unclipped, kl)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from schemas.config import RunConfig
+from schemas.messages import Scored, model_token_mask
 from workers import runtime
 from workers.models import cast_floating, compute_dtype, load_causal_lm
 from workers.trainer import checkpoint
@@ -24,7 +25,7 @@ from workers.trainer.distributed import Collective, close_distributed, full_stat
 from workers.trainer.losses import LossSettings
 from workers.trainer.microbatch import allocator
 from workers.trainer.ranks import LeadRank, follow
-from workers.trainer.step import Sequences, StepSettings, collate, train_step
+from workers.trainer.step import Row, Sequences, StepSettings, collate, train_step
 from workers.weights import write_version
 
 
@@ -94,6 +95,13 @@ class RankModel:
         close_distributed()
 
 
+def trained_versions(scored: Scored) -> list[int]:
+    """The policy version of each trained token: tool tokens (mask 0) are not trained, their versions are
+    placeholders that no statistic may count."""
+    mask = model_token_mask(scored.loss_mask, len(scored.versions))
+    return [version for version, trained in zip(scored.versions, mask, strict=True) if trained]
+
+
 class Trainer:
     """The model and the counters. Rank 0 calls `train`, `publish` and `save`, each run by every rank
     (the others wait in `follow`); every rank calls `close`."""
@@ -114,17 +122,18 @@ class Trainer:
         rewards = torch.tensor([[s.reward for s, _ in g.trajectories()] for g in groups])  # [G, n]
         advantages = ESTIMATORS[self.config.trainer.loss.advantage](rewards).flatten().tolist()
         trajectories = [s for g in groups for s, _ in g.trajectories()]
-        sequences = [(s.prompt_tokens, s.completion_tokens, s.logprobs) for s in trajectories]
+        sequences = [Row(s.prompt_tokens, s.completion_tokens, s.logprobs, s.loss_mask) for s in trajectories]
         stats = self.commands.train_batch(sequences, advantages)
         lags = [version - s.released_at_version for s in trajectories]
-        tokens = sum(len(s.completion_tokens) for s in trajectories)
+        trained = [trained_versions(s) for s in trajectories]
+        tokens = sum(map(len, trained))
         st = self.state
         st.step += 1
         st.groups_consumed += len(groups)
         st.trained_tokens += tokens
         st.trained_trajectories += len(trajectories)
-        st.interrupted_trajectories += sum(s.num_segments > 1 for s in trajectories)
-        st.mixed_version_trajectories += sum(len(set(s.versions)) > 1 for s in trajectories)
+        st.interrupted_trajectories += sum(s.interruptions > 0 for s in trajectories)
+        st.mixed_version_trajectories += sum(len(set(versions)) > 1 for versions in trained)
         st.max_staleness_trained = max(st.max_staleness_trained, *lags)
         st.skipped_steps += bool(stats["skipped_updates"])  # its groups are consumed all the same (worker.py)
         histogram = Counter(lags)
@@ -136,7 +145,7 @@ class Trainer:
             "staleness_mean": sum(lags) / len(lags),
             "staleness_max": max(lags),
             "staleness_histogram": [histogram[lag] for lag in range(max(lags) + 1)],  # trajectories per staleness
-            "token_staleness_mean": sum(version - v for s in trajectories for v in s.versions) / max(tokens, 1),
+            "token_staleness_mean": sum(version - v for versions in trained for v in versions) / max(tokens, 1),
         }
 
     def publish(self) -> tuple[Path, str]:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import torch
 
@@ -25,7 +26,18 @@ from workers.trainer.microbatch import Allocator, allocate_fixed
 from workers.trainer.packing import pack, use_packed_attention
 
 WHOLE_BATCH: Allocator = partial(allocate_fixed, count=1)
-Sequences = list[tuple[list[int], list[int], list[float]]]  # (prompt, completion, behaviour logprobs) of each row
+
+
+class Row(NamedTuple):
+    """One trajectory to train (a plain (prompt, completion, logprobs) tuple is one with an empty mask)."""
+
+    prompt: list[int]
+    completion: list[int]
+    logprobs: list[float]  # behaviour logprob per completion token
+    loss_mask: Sequence[int] = ()  # per completion token 1 = trained, 0 = a tool token; empty = all trained
+
+
+Sequences = list[Row]
 
 
 @dataclass
@@ -34,7 +46,7 @@ class TrainBatch:
 
     input_ids: torch.Tensor  # [N, T] prompt + completion, padded
     attention_mask: torch.Tensor  # [N, T]
-    loss_mask: torch.Tensor  # [N, T-1] 1.0 where the predicted token is a completion token
+    loss_mask: torch.Tensor  # [N, T-1] 1.0 where the predicted token is a model token of the completion
     behav_logp: torch.Tensor  # [N, T-1] recorded behaviour logprobs (0 elsewhere)
     advantages: torch.Tensor  # [N, T-1] the sequence advantage on its completion tokens
 
@@ -56,17 +68,20 @@ def collate(
     pad_id: int,
     device: torch.device | str = "cpu",
 ) -> TrainBatch:
-    n, width = len(sequences), max(len(p) + len(c) for p, c, _ in sequences)
+    """Right-padded tensors of the rows; only model tokens of the completions enter the loss (`loss_mask`),
+    tool tokens are context like the prompt."""
+    n, width = len(sequences), max(len(row[0]) + len(row[1]) for row in sequences)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros(n, width, dtype=torch.long)
     loss_mask = torch.zeros(n, width - 1)
     behav = torch.zeros(n, width - 1)
     adv = torch.zeros(n, width - 1)
-    for row, ((prompt, completion, logprobs), advantage) in enumerate(zip(sequences, advantages, strict=True)):
+    for row, (sequence, advantage) in enumerate(zip(sequences, advantages, strict=True)):
+        prompt, completion, logprobs, mask = Row(*sequence)
         length, start = len(prompt) + len(completion), len(prompt) - 1  # logits at start predict completion[0]
         input_ids[row, :length] = torch.tensor(prompt + completion)
         attention_mask[row, :length] = 1
-        loss_mask[row, start : length - 1] = 1.0
+        loss_mask[row, start : length - 1] = torch.tensor(mask, dtype=torch.float) if mask else 1.0
         behav[row, start : length - 1] = torch.tensor(logprobs)
         adv[row, start : length - 1] = advantage
     return TrainBatch(input_ids, attention_mask, loss_mask, behav, adv).to(device)

@@ -1,0 +1,365 @@
+"""Untrusted Python (model-written code) in a throw-away bubblewrap sandbox, one per execution.
+
+`run_python(source, stdin, limits)` starts `bwrap` with every namespace of its own (user, mount, pid,
+network, ipc, uts, cgroup), so the code has no network (not even the host's loopback), sees only its
+own processes, and cannot signal anything outside; it cannot make user namespaces of its own. It sees a
+read-only /usr (with the /bin, /lib*, /sbin links into it), a read-only /dev of device nodes, its own
+/proc and the linker's cache, and nothing else: no /root, /home, /tmp or /etc, nor the caller's working
+or run directory. Its one writable place is /sandbox/work, a fresh tmpfs of `limits.file_mb`, gone with
+the sandbox. Its environment holds PATH, HOME and PWD alone (bwrap itself starts with an empty one, so
+/proc/1/environ inside holds nothing of the caller's either).
+
+When the caller is root, bwrap runs as `nobody` (65534): the code is an unprivileged user on the host
+too, not host root in a user namespace (for which the kernel would not even count processes against
+RLIMIT_NPROC). prlimit sets CPU seconds, address space, processes, file size and open files before
+Python starts; the process count is per user namespace (Linux >= 5.14), so per execution. The caller
+reads stdout and stderr up to `limits.output_bytes` each, and at the wall-clock limit or on overflow
+kills the sandbox's pid 1, which takes every process of its pid namespace with it. A daemon or double
+fork cannot outlive the execution either: when the program ends bwrap exits, and its pid 1 dies with it
+(--die-with-parent). `run_python` returns once that pid 1 is gone, and reaps it (see `Adoption`).
+Needs Linux >= 5.4 (pidfds) and bubblewrap >= 0.8 (--disable-userns, --size).
+
+No warm mode: a warm interpreter would run every execution's code in one sandbox, and giving each its
+own files, processes and user again means redoing bwrap's namespace set-up by hand in a forked child.
+It would save Python's start-up alone (`asyncrl bench sandbox` measures both parts), while a fresh bwrap
+per execution keeps isolation in one well-tested program. Calls are synchronous and independent: call
+it from many threads or processes at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import os
+import re
+import select
+import selectors
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+PACKAGE = "bubblewrap"  # Debian's (and Ubuntu's) package with /usr/bin/bwrap
+NOBODY = 65534  # the code's user inside the sandbox, and on the host when the caller is root
+PYTHONS = ("/usr/local/bin/python3", "/usr/bin/python3")  # the interpreter must live in the /usr the sandbox sees
+PRLIMIT = "/usr/bin/prlimit"  # util-linux: sets the rlimits, then execs Python
+SOURCE = "/sandbox/main.py"  # the program, read-only
+WORKDIR = "/sandbox/work"  # the program's working directory and HOME: the only writable place
+SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # links into /usr, or directories
+READ_CHUNK = 65536
+KILL_WAIT_S = 10.0  # for the kernel to empty a killed sandbox's pid namespace (milliseconds in practice)
+PR_SET_CHILD_SUBREAPER = 36  # prctl option, linux/prctl.h
+LIBC = ctypes.CDLL(None, use_errno=True)
+CHILD_PID = re.compile(rb'"child-pid": *([0-9]+)[^0-9]')  # in what bwrap writes to --info-fd
+Status = Literal["ok", "error", "timeout", "memory", "output_limit", "killed"]
+
+
+class SandboxError(RuntimeError):
+    """The host cannot run the sandbox (bwrap missing or refused): the caller's problem, not the program's."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one execution may use; the defaults fit scoring a small function."""
+
+    cpu_s: float = 2.0  # CPU seconds of each process (rounded up to whole seconds), then SIGXCPU
+    wall_s: float = 5.0  # wall-clock seconds of the whole execution, then the sandbox is killed
+    memory_mb: int = 256  # address space of each process (RLIMIT_AS): Python raises MemoryError past it
+    processes: int = 16  # processes and threads of the sandbox's user, bwrap's pid 1 included
+    file_mb: int = 16  # the largest file, and the whole working directory (its tmpfs)
+    open_files: int = 64  # file descriptors per process
+    output_bytes: int = 65536  # of stdout and of stderr each, then the sandbox is killed
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How one execution ended. `status`: ok, error (exception or non-zero exit), timeout (wall or CPU limit),
+    memory (MemoryError), output_limit, or killed (by a signal); `reason` is one line, None when ok."""
+
+    status: Status
+    exit_code: int | None  # None when the sandbox was killed from outside (wall clock, output)
+    stdout: str
+    stderr: str
+    reason: str | None
+    seconds: float
+
+
+def require_bwrap() -> str:
+    """bwrap's path, once a trivial program ran in the sandbox; else SandboxError in one line naming the package.
+    Cheap enough for pre-flight (one sandboxed `pass`)."""
+    bwrap = find_bwrap()
+    probe = run_python("", limits=Limits(wall_s=30.0))
+    if probe.status != "ok":
+        raise SandboxError(f"bwrap cannot run the sandbox here: {probe.reason}")
+    return bwrap
+
+
+def find_bwrap() -> str:
+    path = shutil.which("bwrap")
+    if path is None:
+        raise SandboxError(f"bwrap not found on PATH: install the package {PACKAGE} (apt-get install {PACKAGE})")
+    return path
+
+
+def find_python() -> str:
+    """An interpreter under /usr, which the sandbox sees; a virtualenv's or pyenv's (under /root) it does not."""
+    for path in PYTHONS:
+        if os.access(path, os.X_OK) and os.path.realpath(path).startswith("/usr/"):
+            return path
+    raise SandboxError(f"no Python for the sandbox: none of {', '.join(PYTHONS)} (apt-get install python3)")
+
+
+def run_python(source: str, stdin: str = "", limits: Limits = Limits()) -> Execution:
+    """Run `source` as a Python program with `stdin` in a fresh sandbox; always returns, whatever the code does,
+    once no process of the sandbox is left. Raises SandboxError only when the sandbox itself cannot start."""
+    bwrap, python = find_bwrap(), find_python()
+    started = time.monotonic()
+    with ADOPTION, Sandbox(bwrap, python, source, limits) as sandbox:
+        stdout, stderr, ended = sandbox.communicate(stdin.encode())
+    seconds = time.monotonic() - started
+    exit_code = None if ended else sandbox.process.returncode
+    # bwrap's set-up failed (a program that writes such a line itself and exits 1 fails only its own execution)
+    if exit_code == 1 and stderr.startswith(b"bwrap: ") and not stdout:
+        raise SandboxError(f"{first_line(stderr)} (is the package {PACKAGE} working here?)")
+    status, reason = verdict(exit_code, stderr, ended, limits)
+    return Execution(status, exit_code, text(stdout), text(stderr), reason, round(seconds, 4))
+
+
+class Sandbox:
+    """One bwrap process and its pipes. Leaving the `with` kills what still runs and returns once the sandbox's
+    pid 1 is gone (the kernel empties a pid namespace before its pid 1 counts as exited) and reaped here."""
+
+    def __init__(self, bwrap: str, python: str, source: str, limits: Limits):
+        self.limits, self.info, self.pidfd = limits, bytearray(), None
+        program = os.memfd_create("sandbox-source")  # bwrap copies it into the sandbox before the code starts
+        self.info_fd, info_write = os.pipe()  # bwrap writes the host pid of the sandbox's pid 1 here
+        os.set_blocking(self.info_fd, False)
+        try:
+            os.write(program, source.encode())
+            os.lseek(program, 0, os.SEEK_SET)
+            self.process = start(bwrap_command(bwrap, python, limits, program, info_write), (program, info_write))
+        except BaseException:
+            os.close(self.info_fd)
+            raise
+        finally:
+            os.close(program)
+            os.close(info_write)
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.read_info()  # bwrap may have named pid 1 since the last read
+        if self.process.poll() is None:
+            self.kill()
+        self.read_info()
+        if self.pidfd is not None:
+            select.select([self.pidfd], [], [], KILL_WAIT_S)  # readable once pid 1, so every process, is gone
+            with contextlib.suppress(ChildProcessError):  # bwrap reaped it itself
+                os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOHANG)  # an orphan adopted here
+            os.close(self.pidfd)
+        os.close(self.info_fd)
+        for pipe in (self.process.stdin, self.process.stdout, self.process.stderr):
+            pipe.close()
+
+    def kill(self) -> None:
+        """SIGKILL the sandbox's pid 1, so bwrap reaps it once the kernel has emptied its namespace and exits;
+        bwrap's process group if pid 1 is not known yet, or bwrap does not end (pid 1 then dies with it)."""
+        if self.pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(KILL_WAIT_S)
+                return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+    def read_info(self) -> bool:
+        """Read what bwrap says, without blocking; once it names the sandbox's pid 1, hold a pidfd on it (pids are
+        handed out in turn, so the one just named is not another process's yet). False once bwrap closed it."""
+        try:
+            chunk = os.read(self.info_fd, READ_CHUNK)
+        except BlockingIOError:
+            return True
+        self.info += chunk
+        if self.pidfd is None and (found := CHILD_PID.search(self.info)):
+            with contextlib.suppress(ProcessLookupError):  # already gone and reaped: nothing to wait for
+                self.pidfd = os.pidfd_open(int(found[1]))
+        return bool(chunk)
+
+    def communicate(self, stdin: bytes) -> tuple[bytes, bytes, str | None]:
+        """Feed stdin and read both outputs until they close: (stdout, stderr, None), or with 'timeout' or
+        'output_limit' once the wall clock passes or an output outgrows its cap (`__exit__` then kills)."""
+        process, cap = self.process, self.limits.output_bytes
+        deadline = time.monotonic() + self.limits.wall_s
+        outputs = {process.stdout.fileno(): bytearray(), process.stderr.fileno(): bytearray()}
+        stdout, stderr = outputs.values()
+        pending = memoryview(stdin)
+        with selectors.DefaultSelector() as selector:
+            for fd in (*outputs, self.info_fd):
+                selector.register(fd, selectors.EVENT_READ)
+            if pending:
+                os.set_blocking(process.stdin.fileno(), False)
+                selector.register(process.stdin.fileno(), selectors.EVENT_WRITE)
+            else:
+                process.stdin.close()
+            while outputs.keys() & selector.get_map().keys():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return bytes(stdout), bytes(stderr), "timeout"
+                for key, _ in selector.select(left):
+                    if key.fd == self.info_fd:
+                        if not self.read_info():
+                            selector.unregister(key.fd)
+                    elif key.fd not in outputs:
+                        pending = feed(key.fd, pending)
+                        if not pending:
+                            selector.unregister(key.fd)
+                            process.stdin.close()
+                    elif not (chunk := os.read(key.fd, READ_CHUNK)):
+                        selector.unregister(key.fd)
+                    elif len(outputs[key.fd]) + len(chunk) > cap:
+                        outputs[key.fd] += chunk[: cap - len(outputs[key.fd])]
+                        return bytes(stdout), bytes(stderr), "output_limit"
+                    else:
+                        outputs[key.fd] += chunk
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))  # outputs closed, yet it may still run
+        except subprocess.TimeoutExpired:
+            return bytes(stdout), bytes(stderr), "timeout"
+        return bytes(stdout), bytes(stderr), None
+
+
+def feed(fd: int, pending: memoryview) -> memoryview:
+    """Write what the pipe takes of `pending`; what is left (nothing once the program closed its stdin)."""
+    try:
+        return pending[os.write(fd, pending[:READ_CHUNK]) :]
+    except BlockingIOError:
+        return pending
+    except BrokenPipeError:
+        return pending[:0]
+
+
+class Adoption:
+    """Executions under way in this process, which is a child subreaper while there are any. bwrap exits as soon
+    as the program does, and its pid 1 in the sandbox, killed then by --die-with-parent, is orphaned: it comes here
+    to be reaped (`Sandbox.__exit__`) instead of to the host's init as a zombie, which in a container whose init
+    reaps nothing would pile up, one per execution. Off again once none runs: other orphans are not this
+    process's business. The flag is the process's, hence a count across threads."""
+
+    def __init__(self) -> None:
+        self.lock, self.running = threading.Lock(), 0
+
+    def __enter__(self) -> None:
+        with self.lock:
+            if self.running == 0:
+                subreaper(True)
+            self.running += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self.lock:
+            self.running -= 1
+            if self.running == 0:
+                subreaper(False)
+
+
+def subreaper(on: bool) -> None:
+    if LIBC.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) != 0:
+        raise SandboxError(f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(ctypes.get_errno())}")
+
+
+ADOPTION = Adoption()
+os.register_at_fork(after_in_child=ADOPTION.__init__)  # a forked child is no subreaper, and runs nothing yet
+
+
+def system_binds() -> list[str]:
+    """/usr read-only, and /bin, /lib... as they are on the host: links into /usr, or read-only directories."""
+    arguments = ["--ro-bind", "/usr", "/usr"]
+    for path in SYSTEM_LINKS:
+        if os.path.islink(path):
+            arguments += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            arguments += ["--ro-bind", path, path]
+    return [*arguments, "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+
+
+def bwrap_command(bwrap: str, python: str, limits: Limits, program: int, info: int) -> list[str]:
+    """The bwrap command line: namespaces, file system, environment, then prlimit and Python."""
+    mb = 1024 * 1024
+    cpu = max(1, math.ceil(limits.cpu_s))
+    sandbox = [
+        *("--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session"),
+        *("--uid", str(NOBODY), "--gid", str(NOBODY), "--hostname", "sandbox", "--cap-drop", "ALL"),
+        *system_binds(),
+        *("--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev"),  # device nodes work; no files on its tmpfs
+        *("--perms", "0444", "--ro-bind-data", str(program), SOURCE),
+        *("--perms", "0700", "--size", str(limits.file_mb * mb), "--tmpfs", WORKDIR),
+        *("--remount-ro", "/", "--chdir", WORKDIR, "--clearenv", "--info-fd", str(info)),
+        *("--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", WORKDIR),
+    ]
+    rlimits = [
+        f"--cpu={cpu}:{cpu + 1}",  # SIGXCPU at the soft limit, SIGKILL a second later
+        f"--as={limits.memory_mb * mb}",
+        f"--nproc={limits.processes}",
+        f"--fsize={limits.file_mb * mb}",
+        f"--nofile={limits.open_files}",
+        "--core=0",
+    ]
+    return [bwrap, *sandbox, "--", PRLIMIT, *rlimits, "--", python, "-I", SOURCE]
+
+
+def start(command: list[str], fds: tuple[int, ...]) -> subprocess.Popen:
+    """bwrap in a process group of its own, with an empty environment, as `nobody` when the caller is root
+    (Popen sets user, group and groups in C after fork: no preexec_fn, safe beside threads)."""
+    as_root = os.geteuid() == 0
+    try:
+        return subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={},
+            cwd="/",
+            pass_fds=fds,
+            process_group=0,
+            user=NOBODY if as_root else None,
+            group=NOBODY if as_root else None,
+            extra_groups=[] if as_root else None,
+        )
+    except OSError as exc:
+        raise SandboxError(f"cannot start bwrap: {exc} (install the package {PACKAGE})") from exc
+
+
+def verdict(exit_code: int | None, stderr: bytes, ended: str | None, limits: Limits) -> tuple[Status, str | None]:
+    """(status, one-line reason) of an execution."""
+    if ended == "timeout":
+        return "timeout", f"ran past the wall-clock limit of {limits.wall_s:g} s and was killed"
+    if ended == "output_limit":
+        return "output_limit", f"wrote more than {limits.output_bytes} bytes to stdout or stderr and was killed"
+    if exit_code == 0:
+        return "ok", None
+    last = first_line(stderr, last=True)
+    if exit_code == 128 + signal.SIGXCPU:
+        return "timeout", f"ran past the CPU limit of {max(1, math.ceil(limits.cpu_s))} s (SIGXCPU)"
+    if last.startswith("MemoryError"):
+        return "memory", f"ran past the memory limit of {limits.memory_mb} MB: {last}"
+    if exit_code > 128 and exit_code - 128 in signal.valid_signals():
+        return "killed", f"killed by {signal.Signals(exit_code - 128).name}"
+    return "error", last or f"exit code {exit_code}"
+
+
+def first_line(output: bytes, last: bool = False) -> str:
+    """The first (or last) non-empty line of an output, at most 300 characters: a reason in one line."""
+    lines = [line.strip() for line in text(output).splitlines() if line.strip()]
+    if not lines:
+        return ""
+    return (lines[-1] if last else lines[0])[:300]
+
+
+def text(output: bytes) -> str:
+    return output.decode("utf-8", errors="replace")
