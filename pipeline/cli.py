@@ -107,19 +107,25 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
         "--quick: eta 0 and 4, one seed, half the steps, 4 runs (arith: about 15 min idle, 21 min on 2 busy cores).",
     )
     add_staleness_arguments(staleness)
-    sandbox = kinds.add_parser(
-        "sandbox",
-        help="sandboxed executions of untrusted Python per second (a fresh bubblewrap sandbox each)",
-        description="Runs `pass` and a small checker in workers/reward/sandbox.py's sandbox, --executions times "
-        "at each --parallelism, and the same Python alone outside it for scale; needs bwrap (package bubblewrap).",
+    add_sandbox_arguments(
+        kinds.add_parser(
+            "sandbox",
+            help="sandboxed executions of untrusted Python per second (a fresh bubblewrap sandbox each)",
+            description="Runs `pass` and a small checker in workers/reward/sandbox.py's sandbox, --executions "
+            "times at each --parallelism, and the same Python alone outside it for scale; needs bwrap "
+            "(package bubblewrap).",
+        )
     )
-    sandbox.add_argument(
+
+
+def add_sandbox_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
         "--executions", type=int, default=200, help="per program and parallelism (default: %(default)s)"
     )
-    sandbox.add_argument(
+    parser.add_argument(
         "--parallelism", type=int, nargs="+", default=[1, 2], help="executions at a time, threads (default: 1 2)"
     )
-    sandbox.add_argument("--out", default="runs/bench/sandbox.json", help="JSON results file (default: %(default)s)")
+    parser.add_argument("--out", default="runs/bench/sandbox.json", help="JSON results file (default: %(default)s)")
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:

@@ -3,9 +3,10 @@
 `prepare` (so `asyncrl run` and `asyncrl prepare`) calls `preflight` once the model exists: the
 device is there, the model and its tokenizer load, the rollout engine can serve the architecture,
 the weights are finite, the reward function imports and scores a real row, the rows fit the
-model, and a multi-turn workflow can answer calls (its call token, the sandbox). Each problem is a ConfigError: one line on the console, with the fix. Rows the model cannot
-take are not an error while others can (the prompt source sends them to `dead-letter` with their
-line numbers): their count is printed; a dataset of such rows alone is an error.
+model, and a multi-turn workflow can answer calls (its call token, the sandbox). Each problem is
+a ConfigError: one line on the console, with the fix. Rows the model cannot take are not an error
+while others can (the prompt source sends them to `dead-letter` with their line numbers): their
+count is printed; a dataset of such rows alone is an error.
 """
 
 from __future__ import annotations

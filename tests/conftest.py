@@ -12,13 +12,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from system_packages import apt_install
 
 from topics.admin import ensure_topics
 from topics.broker import EmbeddedBroker
@@ -131,23 +131,12 @@ def text_segment() -> Callable[..., object]:
 @pytest.fixture(scope="session")
 def bubblewrap() -> str:
     """bwrap's path once the sandbox (workers/reward/sandbox.py) runs here: Debian's package is installed with
-    apt-get when missing, as tests/integration/test_slurm.py installs Slurm; a failed install or sandbox fails."""
+    apt-get when missing; a failed install or sandbox fails."""
     if sys.platform != "linux":
         pytest.skip("the sandbox is bubblewrap, which needs Linux")
-    if shutil.which("bwrap") is None:
-        if os.geteuid() != 0:
-            pytest.skip("bwrap is missing, and installing it needs root (apt-get install bubblewrap)")
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        install = ["apt-get", "install", "-y", "--no-install-recommends", "bubblewrap"]
-        try:
-            done = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
-            if done.returncode != 0:  # a fresh machine may have no package lists yet
-                subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=300)
-                done = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            pytest.fail(f"could not install bubblewrap ({' '.join(install)}): {exc}")
-        if done.returncode != 0 or shutil.which("bwrap") is None:
-            pytest.fail(f"could not install bubblewrap ({' '.join(install)}):\n{(done.stdout + done.stderr)[-2000:]}")
+    if shutil.which("bwrap") is None and os.geteuid() != 0:
+        pytest.skip("bwrap is missing, and installing it needs root (apt-get install bubblewrap)")
+    apt_install(["bubblewrap"], lambda: shutil.which("bwrap") is not None)
     from workers.reward.sandbox import SandboxError, require_bwrap
 
     try:
