@@ -76,7 +76,17 @@ def window_rates(lines: list[dict], warmup_steps: int) -> dict:
         "trainer_busy": round(sum(l["step_seconds"] for l in measured) / seconds, 3),
         "interrupted_trajectories": last["interrupted_trajectories"],
         "trained_tokens": last["trained_tokens"],
+        "step_breakdown": step_breakdown(measured),
         "window": (first["time"], last["time"]),
+    }
+
+
+def step_breakdown(steps: list[dict]) -> dict[str, float]:
+    """Mean seconds per trainer step in each phase it times (`time_*`: the wait for a batch, manifest, collate,
+    pi_prox, forward/backward, optimizer, publish, announce, checkpoint); 'train' holds the four between."""
+    phases = sorted({key for line in steps for key in line if key.startswith("time_")})
+    return {
+        phase.removeprefix("time_"): round(sum(l.get(phase, 0.0) for l in steps) / len(steps), 4) for phase in phases
     }
 
 
@@ -198,6 +208,9 @@ def table(report: dict) -> str:
     for name, r in report["runs"].items():
         cores = ", ".join(f"{role} {used:.2f}" for role, used in r["cpu_cores"].items())
         lines.append(f"{name} cores used: {cores} (total {sum(r['cpu_cores'].values()):.2f})")
+    lines.append("trainer step breakdown, mean seconds per step:")
+    for name, r in report["runs"].items():
+        lines.append(f"  {name}: " + ", ".join(f"{phase} {s:.3f}" for phase, s in r["step_breakdown"].items()))
     lines.append(f"async/sync effective training throughput: {report['async_over_sync']:.2f}x")
     lines.append(
         f"interruption on/off generation throughput: {report['interrupt_on_over_off']}x "

@@ -21,6 +21,8 @@ def trainer(step: int, time: float, step_seconds: float) -> dict:
         "trained_tokens": 100 * step,
         "staleness_mean": 1.0,
         "interrupted_trajectories": step,
+        "time_train": step_seconds / 2,
+        **({"time_checkpoint": 1.0} if step == 4 else {}),  # every few steps only
     }
 
 
@@ -39,6 +41,7 @@ def test_window_rates_after_warm_up():
     assert rates["generated_tokens_per_s"] == 200.0
     assert rates["train_step_seconds"] == 0.5 and rates["trainer_busy"] == 0.5  # (0.25 + 0.75) / 2 s
     assert rates["window"] == (1.0, 3.0)  # where the CPU sampler reads the cores used
+    assert rates["step_breakdown"] == {"checkpoint": 0.5, "train": 0.25}  # means over steps 3 and 4
 
 
 def args_for(*argv: str) -> argparse.Namespace:
@@ -124,6 +127,7 @@ def test_the_table_names_the_task_and_the_cores_given_and_used():
         "interrupted_trajectories": 12,
         "trainer_busy": 0.97,
         "cpu_cores": {"trainer": 0.9, "rollout": 0.83},
+        "step_breakdown": {"wait": 0.01, "train": 0.3812},
     }
     settings = {"task": "chain", "steps": 60, "batch_groups": 8, "n_samples": 8, "max_new_tokens": 288}
     report = {
@@ -143,6 +147,8 @@ def test_the_table_names_the_task_and_the_cores_given_and_used():
     )
     assert lines[4] == "async cores used: trainer 0.90, rollout 0.83 (total 1.73)"
     assert lines[5:] == [
+        "trainer step breakdown, mean seconds per step:",
+        "  async: wait 0.010, train 0.381",
         "async/sync effective training throughput: 2.28x",
         "interruption on/off generation throughput: 0.98x (training throughput 0.98x)",
     ]

@@ -25,7 +25,7 @@ from workers.trainer.distributed import Collective, close_distributed, full_stat
 from workers.trainer.losses import LossSettings
 from workers.trainer.microbatch import allocator
 from workers.trainer.ranks import LeadRank, follow
-from workers.trainer.step import Row, Sequences, StepSettings, collate, train_step
+from workers.trainer.step import PhaseClock, Row, Sequences, StepSettings, collate, train_step
 from workers.weights import write_version
 
 
@@ -81,8 +81,11 @@ class RankModel:
         return checkpoint.load(path, self.model, self.optimizer)
 
     def train_batch(self, sequences: Sequences, advantages: list[float]) -> dict[str, float]:
+        clock = PhaseClock()
         batch = collate(sequences, advantages, pad_id=0, device=self.device)
-        return train_step(self.model, self.optimizer, batch, self.settings, self.ranks, self.reference)
+        clock.lap("time_collate")
+        stats = train_step(self.model, self.optimizer, batch, self.settings, self.ranks, self.reference, clock)
+        return {**stats, **clock.seconds}
 
     def gather_weights(self) -> dict[str, torch.Tensor]:
         return full_state_dict(self.model)

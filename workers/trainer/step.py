@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -227,6 +228,7 @@ def train_step(
     settings: StepSettings,
     ranks: Collective = ONE_PROCESS,
     reference: torch.nn.Module | None = None,
+    clock: PhaseClock | None = None,
 ) -> dict[str, float]:
     """pi_prox with the weights as they are when the batch arrives, then `minibatches` PPO updates.
 
@@ -239,7 +241,7 @@ def train_step(
     KL penalty. The stats are those of the whole batch on every rank ('microbatches':
     passes summed over the ranks, fillers included). An update whose loss or gradient norm is
     NaN or inf is not applied (gradients zeroed, AdamW state untouched): 'skipped_updates' counts
-    them and 'skip_reason' says why.
+    them and 'skip_reason' says why. `clock` gets the seconds of pi_prox, forwards/backwards and updates.
     """
     shares = RankShare(batch, settings.split, ranks)
     lengths = shares.lengths
@@ -247,11 +249,9 @@ def train_step(
     mine = [  # this rank's rows of each minibatch
         [chunk[i] for i in balance_rows([lengths[r] for r in chunk], ranks.world)[ranks.rank]] for chunk in chunks
     ]
-    prox = batch.behav_logp.clone()  # [N, T-1]; stays pi_behav for naive PPO; valid on this rank's rows
-    if settings.decoupled and settings.minibatches > 1:
-        with torch.no_grad():
-            indices, share, plan = shares.of([r for rows in mine[1:] for r in rows])
-            prox[indices] = token_logprobs(model, share, settings.temperature, plan, settings.dtype)
+    clock = clock or PhaseClock()
+    prox = arrival_logprobs(model, batch, shares, mine[1:], settings)  # [N, T-1]
+    clock.lap("time_prox")
     parts, skipped = [], []
     for index, (chunk, rows) in enumerate(zip(chunks, mine, strict=True)):
         own_prox = settings.decoupled and index == 0
@@ -271,12 +271,40 @@ def train_step(
         if own_prox:
             prox[indices[: len(rows)]] = logp[: len(rows)]
         gathered = combine(ranks.gather(stats), math.fsum)
+        clock.lap("time_forward_backward")
         grad_norm, reason = apply_update(model, optimizer, gathered["loss"], settings.grad_clip)
+        clock.lap("time_optimizer")
         skipped += [f"minibatch {index}: {reason}"] if reason else []
         parts.append({**gathered, "grad_norm": grad_norm})
     own = [r for rows in mine for r in rows]
     stats = {**combine(parts, statistics.fmean), "prox_behav_abs_diff": prox_behav_abs_diff(batch, prox, own, ranks)}
     return {**stats, "skipped_updates": len(skipped), **({"skip_reason": "; ".join(skipped)} if skipped else {})}
+
+
+class PhaseClock:
+    """Seconds spent in each phase of a step, summed over its repeats (`lap` closes the phase under way)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.last
+        self.last = now
+
+
+@torch.no_grad()
+def arrival_logprobs(
+    model: torch.nn.Module, batch: TrainBatch, shares: RankShare, later: list[list[int]], settings: StepSettings
+) -> torch.Tensor:
+    """pi_prox of this rank's rows of the `later` minibatches, on the weights the batch arrived at (the first
+    minibatch's comes from its own pass); pi_behav elsewhere, and everywhere for naive PPO. [N, T-1]"""
+    prox = batch.behav_logp.clone()  # [N, T-1]
+    if settings.decoupled and later:
+        indices, share, plan = shares.of([r for rows in later for r in rows])
+        prox[indices] = token_logprobs(model, share, settings.temperature, plan, settings.dtype)
+    return prox
 
 
 def apply_update(

@@ -43,6 +43,7 @@ from workers.announce import load_key, signed_headers
 from workers.trainer import checkpoint
 from workers.trainer.buffer import Group, GroupBuffer
 from workers.trainer.model import Trainer, checkpoints_dir
+from workers.trainer.step import PhaseClock
 from workers.vocab import outside_vocab
 
 
@@ -116,6 +117,7 @@ class Lead:
         self.state, self.cfg = trainer.state, ctx.config.trainer
         self.pending_drops: list[DroppedGroup] = []  # dropped since the last manifest, recorded in the next one
         self.metrics, self.started = ctx.metrics(), time.monotonic()
+        self.step_ended = time.perf_counter()  # the wait for the next batch starts here
         self.key = load_key(ctx.run_dir)  # signs every announcement (workers.announce); None: the run has no key
 
     async def next_batch(self) -> tuple[list[Group], BatchManifest | None]:
@@ -135,11 +137,15 @@ class Lead:
         return groups, None
 
     async def step(self, groups: list[Group], manifest: BatchManifest | None) -> None:
-        """Write the manifest (a new batch's) before the step, train, announce the new version."""
+        """Write the manifest (a new batch's) before the step, train, announce the new version. Each phase's
+        seconds go to the step's metrics (`time_*`), with the wait for the batch before it."""
+        clock = PhaseClock()
+        clock.seconds["time_wait"] = clock.last - self.step_ended
         if manifest is None:
             manifest = new_manifest(groups, self.state.step, self.feed.resume_offsets(), self.pending_drops)
             await self.outbox.send_now("batches", manifest, key=manifest.step)
             self.pending_drops = []
+        clock.lap("time_manifest")
         step_started, tracer = time.monotonic(), self.ctx.tracer
         with tracer.start_as_current_span("train step", attributes={"asyncrl.step": manifest.step}) as step_span:
             group_spans = [  # one per group, in its prompt's trace, linked to the step
@@ -155,17 +161,21 @@ class Lead:
             stats = await asyncio.to_thread(self.trainer.train, groups)
             for span in group_spans:
                 span.end()
+        clock.lap("time_train")
         if stats["skipped_updates"]:  # the batch is consumed and the version advances with unchanged weights
             self.ctx.log.warning("update skipped, weights unchanged", step=manifest.step, reason=stats["skip_reason"])
-        await self.announce(final=self.state.step >= self.cfg.steps)
-        self.report(stats, time.monotonic() - step_started)
+        await self.announce(final=self.state.step >= self.cfg.steps, clock=clock)
         if self.state.step % self.cfg.checkpoint.every == 0 or self.state.step >= self.cfg.steps:
             await self.checkpoint()
+        clock.lap("time_checkpoint")
+        self.step_ended = clock.last
+        self.report({**stats, **clock.seconds}, time.monotonic() - step_started)
 
-    async def announce(self, final: bool = False) -> None:
+    async def announce(self, final: bool = False, clock: PhaseClock | None = None) -> None:
         """Publish the current weights, then tell `weights` (path and sha256), signed with the run's key."""
-        st = self.state
+        st, clock = self.state, clock or PhaseClock()
         path, digest = await asyncio.to_thread(self.trainer.publish)
+        clock.lap("time_publish")
         announcement = WeightVersion(
             version=st.step,
             uri=str(path.resolve()),
@@ -176,6 +186,7 @@ class Lead:
             final=final,
         )
         await self.outbox.send_now("weights", announcement, headers=signed_headers(self.key, announcement))
+        clock.lap("time_announce")
 
     async def checkpoint(self) -> None:
         """Save where a restart resumes. On the embedded broker, which loses its topics when it dies, first
