@@ -412,9 +412,9 @@ def main(argv: list[str] | None = None) -> int:
         path = config_file(path)
         config = load_config(path, overrides)
         if args.command == "slurm":
-            from pipeline.slurm import submit
+            from pipeline.slurm import command as slurm_command
 
-            return submit(path, overrides, config, args)
+            return slurm_command(path, overrides, config, args)
         if args.command == "prepare":
             return prepare_command(config)
         if args.dry_run:
@@ -429,14 +429,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def prepare_command(config: RunConfig) -> int:
-    """`asyncrl prepare`: the model, topics and config.yaml of a deployment, on the broker its workers will use."""
+    """`asyncrl prepare`: the model, topics and config.yaml of a deployment, on the broker its workers will use.
+    A run directory with a checkpoint is a resumed deployment: a `resume` line for summary.json's resumed_from."""
     from pipeline.config import ConfigError
-    from pipeline.launch import check_dataset, prepare
+    from pipeline.launch import check_dataset, checkpoint_step, prepare
+    from pipeline.monitor import note_resume
 
     if not config.broker.bootstrap:
         raise ConfigError("prepare needs broker.bootstrap=HOST:PORT (the broker the workers will use)")
     check_dataset(config)
-    print(prepare(config)[1])
+    path = prepare(config)[1]
+    step = checkpoint_step(path.parent)
+    if step is not None:
+        note_resume(path.parent, step)
+    print(path)
     return 0
 
 

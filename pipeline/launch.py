@@ -357,22 +357,28 @@ def import_run_topics(config: RunConfig) -> None:
     print(f"asyncrl: {sum(counts.values())} records of {path} loaded into the new broker", file=sys.stderr)
 
 
+def checkpoint_step(run_dir: Path) -> int | None:
+    """The step of the run's newest trainer checkpoint (where its trainer resumes), None before the first."""
+    from workers.trainer.checkpoint import newest
+
+    checkpoint = newest(run_dir / "checkpoints")
+    return None if checkpoint is None else int(checkpoint.stem.removeprefix("step_"))
+
+
 def resumable(run_dir: Path) -> tuple[RunConfig, int]:
     """The run's own config and the step of its newest checkpoint; a ConfigError (one line) when there is
     nothing to resume from."""
-    from workers.trainer.checkpoint import newest
-
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{run_dir} has no config.yaml: not a run directory, or one stopped before it started")
     config = load_config(run_dir / "config.yaml")
     if runtime.run_dir(config).resolve() != run_dir.resolve():
         raise ConfigError(f"{run_dir} is not where its config.yaml puts the run ({runtime.run_dir(config)})")
-    checkpoint = newest(run_dir / "checkpoints")
-    if checkpoint is None:
+    step = checkpoint_step(run_dir)
+    if step is None:
         raise ConfigError(f"{run_dir} has no trainer checkpoint to resume from; start the run again")
     if config.broker.embedded and not runtime.topics_export_path(config).is_file():
         raise ConfigError(f"{run_dir} has no topics.export: the topics of its embedded broker are lost")
-    return config, int(checkpoint.stem.removeprefix("step_"))
+    return config, step
 
 
 def resume_pipeline(run_dir: Path, progress: bool = True) -> int:

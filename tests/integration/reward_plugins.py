@@ -11,3 +11,9 @@ def judge(prompt: str, completion: str, metadata: dict[str, str]):
     if completion == "nan":
         return float("nan")
     return (1.0 if completion == metadata["answer"] else 0.0), {"prompt_seen": prompt}
+
+
+def coin(prompt: str, completion: str, metadata: dict[str, str]) -> float:
+    """0 or 1 by the parity of the completion's characters: a random model's samples of one prompt earn different
+    rewards, so its advantages and updates are not all zero (the demo's verifier gives it 0 everywhere)."""
+    return float(sum(map(ord, completion)) % 2)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,7 +50,7 @@ class Collective:
         """The largest `count` of any rank (`device`: where the process group's tensors live)."""
         return count
 
-    def gather(self, stats: dict[str, float]) -> list[dict[str, float]]:
+    def gather(self, stats: dict[str, Any]) -> list[dict[str, Any]]:
         """Every rank's `stats`, in rank order."""
         return [stats]
 
@@ -76,8 +77,8 @@ class ProcessGroupCollective(Collective):
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return int(value)
 
-    def gather(self, stats: dict[str, float]) -> list[dict[str, float]]:
-        gathered: list[dict[str, float]] = [{} for _ in range(self.world)]
+    def gather(self, stats: dict[str, Any]) -> list[dict[str, Any]]:
+        gathered: list[dict[str, Any]] = [{} for _ in range(self.world)]
         dist.all_gather_object(gathered, stats)
         return gathered
 

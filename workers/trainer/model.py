@@ -114,6 +114,7 @@ class Trainer:
         self.config = config
         self.ranks, device = join_ranks(config.model.device)
         self.rank, self.world = self.ranks.rank, self.ranks.world
+        self.nodes = [found["node"] for found in self.ranks.gather({"node": runtime.node_name()})]  # by rank
         self.local = RankModel(config, self.ranks, device)
         self.vocab = self.local.model.get_input_embeddings().num_embeddings  # token ids it can train: [0, vocab)
         self.state = self.local.restore(restore_from)

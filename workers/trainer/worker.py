@@ -250,6 +250,7 @@ async def lead(ctx: runtime.WorkerContext, trainer: Trainer, stop: asyncio.Event
         "trainer started",
         step=st.step,
         ranks=trainer.world,
+        nodes=trainer.nodes,
         redo=[m.step for m in redo],
         resume_offsets=st.resume_offsets,
     )
