@@ -25,6 +25,7 @@ from workers.tasks.arith import Arith
 
 PAD_TEXT = "<pad>"
 UNK_TEXT = "<unk>"
+BYTE_LEVEL = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
 
 # Measured on 2 CPU cores for `arith`: held-out greedy accuracy climbs ~1.5 points per step
 # around the target and the step where it gets there varies by seed (58–92), so warm-up
@@ -34,11 +35,18 @@ PROBE_EVERY = 2
 
 
 def build_tokenizer(path: str | Path, alphabet: str = Arith.alphabet) -> PreTrainedTokenizerFast:
-    """One token per character of `alphabet`, saved so that `AutoTokenizer.from_pretrained(path)` loads it."""
-    vocab = {tok: i for i, tok in enumerate([PAD_TEXT, EOS_TEXT, UNK_TEXT, *dict.fromkeys(alphabet)])}
+    """One token per character of `alphabet`, saved so that `AutoTokenizer.from_pretrained(path)` loads it.
+
+    Tokens are spelt byte-level (a space is "Ġ", a newline "Ċ"; printable ASCII as itself), because
+    transformers 5 loads a qwen2 model directory's tokenizer as a Qwen2Tokenizer, which rebuilds a byte-level
+    pre-tokenizer over the vocabulary: a plain " " token would silently vanish from every text after a reload.
+    """
+    vocab = {tok: i for i, tok in enumerate([PAD_TEXT, EOS_TEXT, UNK_TEXT, *dict.fromkeys(map(byte_level, alphabet))])}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TEXT))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # newlines too
-    core.decoder = decoders.Fuse()  # join characters back without spaces
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated"), BYTE_LEVEL]  # one piece per character
+    )
+    core.decoder = decoders.ByteLevel()  # characters back from their byte-level spelling, joined without spaces
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token=PAD_TEXT,
@@ -49,6 +57,11 @@ def build_tokenizer(path: str | Path, alphabet: str = Arith.alphabet) -> PreTrai
     )
     tokenizer.save_pretrained(str(path))
     return tokenizer
+
+
+def byte_level(character: str) -> str:
+    """A character as a byte-level vocabulary spells it."""
+    return "".join(piece for piece, _ in BYTE_LEVEL.pre_tokenize_str(character))
 
 
 def build_model(

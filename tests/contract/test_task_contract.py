@@ -46,7 +46,7 @@ def test_split_is_seeded_disjoint_and_sized(user_task_spec):
         assert task.split(4, 20)[1] != held_out, task.name
 
 
-def test_worked_solutions_are_right_and_other_answers_wrong(user_task_spec):
+def test_worked_solutions_are_right_and_other_answers_wrong(user_task_spec, bubblewrap):
     for task in every_task(user_task_spec):
         train, held_out = task.split(0, 20)
         for problem in train[:50] + held_out:

@@ -68,6 +68,20 @@ def test_tokenizer_one_token_per_character_and_reloads(tmp_path):
     assert len(tokenizer) <= 16
 
 
+def test_whitespace_survives_the_reload_of_a_model_directory(tmp_path):
+    """transformers 5 loads a qwen2 directory's tokenizer as a Qwen2Tokenizer (byte-level): spaces and newlines
+    must still be one token each, the same ids as the tokenizer warm-up trained with."""
+    from workers.tasks.code import Code
+
+    built = build_tokenizer(tmp_path, Code.alphabet)
+    build_model(tmp_path, built, recipe=Code.demo)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    text = "add 3, times 2\ndef f(x):\n x=x+3\n x=x*2\n return x"
+    ids = built(text, add_special_tokens=False)["input_ids"]
+    assert reloaded(text, add_special_tokens=False)["input_ids"] == ids and len(ids) == len(text)
+    assert reloaded.decode([*ids, reloaded.eos_token_id], skip_special_tokens=True) == text == built.decode(ids)
+
+
 def test_model_size_and_reload(tmp_path):
     tokenizer = build_tokenizer(tmp_path)
     model = build_model(tmp_path, tokenizer, seed=0)

@@ -2,8 +2,8 @@
 
 A reward function is `fn(prompt: str, completion: str, metadata: dict[str, str])`
 returning a float, or `(float, details: dict)`. `metadata` holds the row's fields
-plus "answer". 'builtin' is the task's own verifier. This module runs inside the
-scoring processes.
+plus "answer". 'builtin' is the task's own verifier; 'code' runs the completion against the
+row's tests in the sandbox (`workers/reward/code.py`). This module runs inside the scoring processes.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from schemas.validate import MAX_ABS_REWARD
+from workers.reward.code import code_reward, extract_code
 from workers.tasks import load_task
 
 RewardFn = Callable[[str, str, dict[str, str]], Any]
@@ -29,12 +30,14 @@ def math_answer(prompt: str, completion: str, metadata: dict[str, str]) -> tuple
 
 
 def load(spec: str, task: str = "arith") -> RewardFn:
-    """'builtin' (the verifier of `task`, a data.task spec), 'math', or 'package.module:function'."""
+    """'builtin' (the verifier of `task`, a data.task spec), 'math', 'code', or 'package.module:function'."""
     if spec == "builtin":
         verifier = load_task(task)
         return lambda prompt, completion, metadata: verifier.score(completion, metadata["answer"])
     if spec == "math":
         return math_answer
+    if spec == "code":
+        return code_reward
     module_name, _, attribute = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), attribute)
@@ -64,12 +67,14 @@ def math_key(completion: str) -> str:
 
 def answer_key(spec: str, task: str = "arith") -> AnswerKey:
     """The final answer of a completion as a comparable string, for majority voting (maj@k) beside the
-    verifier `load(spec, task)`: the task's `final_answer` ('builtin'), math-verify's parse ('math'), or
-    the stripped completion (a function of your own, whose notion of an answer is unknown here)."""
+    verifier `load(spec, task)`: the task's `final_answer` ('builtin'), math-verify's parse ('math'), the code
+    ('code'), or the stripped completion (a function of your own, whose notion of an answer is unknown here)."""
     if spec == "builtin":
         return load_task(task).final_answer
     if spec == "math":
         return math_key
+    if spec == "code":
+        return extract_code
     return str.strip
 
 

@@ -1,4 +1,5 @@
-"""Tasks by name or by file: `arith` (the demo), `chain` (long chains of thought), or your own.
+"""Tasks by name or by file: `arith` (the demo), `chain` (long chains of thought), `code` (programs run against
+tests), or your own.
 
 `data.task` is a built-in name, `path/to/file.py:ClassName` or `package.module:ClassName`.
 """
@@ -11,8 +12,9 @@ from workers.plugins import load_class
 from workers.tasks.arith import Arith
 from workers.tasks.base import EOS_TEXT, DemoRecipe, Problem, Task
 from workers.tasks.chain import Chain
+from workers.tasks.code import Code, CodePartial
 
-BUILTIN: dict[str, type[Task]] = {"arith": Arith, "chain": Chain}
+BUILTIN: dict[str, type[Task]] = {"arith": Arith, "chain": Chain, "code": Code, "code-partial": CodePartial}
 
 __all__ = ["BUILTIN", "EOS_TEXT", "DemoRecipe", "Problem", "Task", "load_task"]
 
