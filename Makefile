@@ -1,12 +1,13 @@
 # The two commands: `make demo` and `make test`. Both create .venv when needed.
-# Also: `make test-unit` (fast: no e2e, no slow tests), `make lint` (ruff, as CI runs it), `make format`.
+# Also: `make test-unit` (fast: no e2e, no slow tests), `make lint` (ruff, as CI runs it), `make format`,
+# `make compose-test` (docker compose for real, root; `make test` leaves it out).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 # torch first and pinned: this pin is a local CPU wheel here; an unpinned torch pulls CUDA builds.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test test-unit chaos lint format install install-test clean
+.PHONY: demo test test-unit compose-test chaos lint format install install-test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,12 +24,18 @@ install-test: $(BIN)/python
 demo: install
 	$(BIN)/asyncrl run
 
+# everything but the tests marked `docker` (compose-test)
 test: install-test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not docker"
 
 # the quick loop (~20 s on 2 cores): tests/unit, less anything marked e2e or slow
 test-unit: install-test
 	$(BIN)/python -m pytest -q tests/unit -m "not e2e and not slow"
+
+# docker compose for real (tests/integration/test_compose_real.py; root, Linux, apt): a dockerd of its own, the image
+# built from a debootstrap base (kept in /var/cache/asyncrl-compose/), two runs; -s shows the timings it prints
+compose-test: install-test
+	$(BIN)/python -m pytest -q -s -m docker tests/integration/test_compose_real.py
 
 # fault injection, the long version of tests/e2e/test_chaos.py (~1 h on 2 cores): SIGKILLs of every role at
 # random moments of short runs (launcher and broker then `asyncrl run --resume`), then poison on every topic and bad

@@ -23,6 +23,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
+EMBEDDED_FILE = ROOT / "infra" / "compose.embedded-broker.yml"
 PROFILES = ("gpu", "observability")
 ROLES = ("prompts", "rollout", "reward", "trainer")
 ASYNCRL_SERVICES = ("prepare", *ROLES, "trainer-gpu", "rollout-gpu")
@@ -39,9 +40,11 @@ def compose_binary() -> Path:
     return binary
 
 
-def compose(*args: str, file: Path = COMPOSE_FILE, profiles: tuple[str, ...] = PROFILES) -> subprocess.CompletedProcess:
-    """Run the Compose binary on `file` as if from the repository root, with every profile on."""
-    command = [str(compose_binary()), "--file", str(file), "--project-directory", str(ROOT)]
+def compose(
+    *args: str, file: Path = COMPOSE_FILE, profiles: tuple[str, ...] = PROFILES, directory: Path = ROOT
+) -> subprocess.CompletedProcess:
+    """Run the Compose binary on `file` as if from `directory` (the repository root), with every profile on."""
+    command = [str(compose_binary()), "--file", str(file), "--project-directory", str(directory)]
     for profile in profiles:
         command += ["--profile", profile]
     # a clean environment: no COMPOSE_*/DOCKER_* of the caller's changes what is validated
@@ -201,3 +204,22 @@ def test_observability_profile(model):
         assert model["services"][name]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == os.environ.get(
             "OTEL_EXPORTER_OTLP_ENDPOINT", ""
         )
+
+
+def test_embedded_broker_file_runs_the_same_services(model):
+    """infra/compose.embedded-broker.yml: docker-compose.yml's own asyncrl services (extends), the embedded broker
+    as `kafka` from the same image, nothing published. Its paths are relative to infra/, the default project
+    directory of `docker compose -f infra/compose.embedded-broker.yml`."""
+    done = compose("config", "--format", "json", file=EMBEDDED_FILE, profiles=(), directory=EMBEDDED_FILE.parent)
+    assert done.returncode == 0, done.stderr
+    embedded = json.loads(done.stdout)
+    assert set(embedded["services"]) == {"kafka", "prepare", *ROLES}
+    for name in ("prepare", *ROLES):
+        ours, theirs = dict(embedded["services"][name]), dict(model["services"][name])  # the fixture is shared
+        if name == "prepare":  # the trainer exports the in-memory topics at its checkpoints
+            assert ours.pop("command") == [*theirs.pop("command"), "broker.embedded=true"]
+        assert ours == theirs, name
+    kafka = embedded["services"]["kafka"]
+    assert kafka["image"] == model["services"]["prepare"]["image"] and Path(kafka["build"]["context"]) == ROOT
+    assert "--advertised-listener-url=tcp://kafka:9092" in kafka["command"] and kafka["healthcheck"]["test"]
+    assert not any(service.get("ports") for service in embedded["services"].values())
