@@ -36,6 +36,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from system_packages import apt_install
 
 from pipeline.chaos.audit import audit_export, decoded
 from schemas.messages import BatchManifest, Segment
@@ -107,19 +108,6 @@ def missing_engine() -> str | None:
     if not (tool("dockerd") and tool("debootstrap")) and tool("apt-get") is None:
         return "dockerd or debootstrap is missing, and there is no apt-get to install docker.io and debootstrap"
     return None
-
-
-def install_tools() -> None:
-    """Debian's docker.io and debootstrap, when missing (a fresh machine may have no package lists yet)."""
-    if tool("dockerd") and tool("debootstrap"):
-        return
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "docker.io", "debootstrap"]
-    done = subprocess.run(install, env=env, capture_output=True, text=True, timeout=900)
-    if done.returncode != 0:
-        subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=600)
-        done = subprocess.run(install, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0 and tool("dockerd") and tool("debootstrap"), (done.stdout + done.stderr)[-2000:]
 
 
 def docker_cli() -> str:
@@ -210,7 +198,7 @@ def stop_dockerd(engine: Engine, process: subprocess.Popen | None) -> None:
 def engine() -> Iterator[Engine]:
     if reason := missing_engine():
         pytest.skip(reason)
-    install_tools()
+    apt_install(["docker.io", "debootstrap"], lambda: bool(tool("dockerd") and tool("debootstrap")))
     root = Path(tempfile.mkdtemp(prefix="asyncrl-docker-"))
     env = {
         "PATH": SBIN_PATH,

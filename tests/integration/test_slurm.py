@@ -33,6 +33,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from system_packages import apt_install
 
 from pipeline.chaos.audit import audit_export
 from pipeline.config import load_config
@@ -163,7 +164,10 @@ class Cluster:
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     if sys.platform != "linux" or os.geteuid() != 0:
         pytest.skip("a real Slurm cluster needs Linux and root (apt-get, munged, slurmd)")
-    install_slurm()
+    apt_install(
+        ["slurm-wlm", "munge"],
+        lambda: bool(shutil.which("slurmctld", path=SBIN_PATH) and shutil.which("munged", path=SBIN_PATH)),
+    )
     root = tmp_path_factory.mktemp("slurm")
     key = write_cluster_files(root, socket.gethostname().split(".")[0])
     env = {**os.environ, "SLURM_CONF": str(root / "slurm.conf")}
@@ -264,23 +268,6 @@ def processes() -> Iterator[tuple[int, str, str, list[bytes]]]:
         except (OSError, IndexError):
             continue  # gone meanwhile
         yield int(proc.name), state, command, environment
-
-
-def install_slurm() -> None:
-    """Debian's packages, when slurmctld is missing; a failed install fails the test, with apt's words."""
-    if shutil.which("slurmctld", path=SBIN_PATH) and shutil.which("munged", path=SBIN_PATH):
-        return
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "--no-install-recommends", "slurm-wlm", "munge"]
-    try:
-        done = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
-        if done.returncode != 0:  # a fresh machine may have no package lists yet
-            subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=300)
-            done = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.fail(f"could not install Slurm ({' '.join(install)}): {exc}")
-    if done.returncode != 0 or not shutil.which("slurmctld", path=SBIN_PATH):
-        pytest.fail(f"could not install Slurm ({' '.join(install)}):\n{(done.stdout + done.stderr)[-2000:]}")
 
 
 def slurm_conf(root: Path, host: str) -> str:
