@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import random
+from fixed_draws import Draws
 
 from workers.tasks import EOS_TEXT
 from workers.tasks.chain import Chain, teacher_solution, worked_solution
@@ -31,17 +31,6 @@ def test_lengths_are_long_tailed():
     p50, p90 = lengths[len(lengths) // 2], lengths[int(0.9 * len(lengths))]
     assert lengths[0] <= 25 and lengths[-1] >= 200
     assert p90 / p50 >= 3
-
-
-class Draws(random.Random):
-    """random() always returns `value`: a teacher that always (0.0) or never (1.0) forgets."""
-
-    def __init__(self, value: float):
-        super().__init__(0)
-        self.value = value
-
-    def random(self) -> float:
-        return self.value
 
 
 def test_the_warm_up_teacher_forgets_carries_and_only_carries():

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
+from fixed_draws import Draws
 
 from pipeline.config import ConfigError, load_config, resolve
 from workers.prompt_source import load_rows
@@ -49,17 +48,6 @@ def test_every_problem_is_distinct_and_its_order_matters():
         assert problem.prompt == ", ".join(op.words for op in ops) + "\n"
         if len(ops) > 1:  # the teacher's mistake is one, and the tests tell it
             assert outputs(ops[::-1], TEST_INPUTS) != outputs(ops, TEST_INPUTS)
-
-
-class Draws(random.Random):
-    """random() always returns `value`: a teacher that always (0.0) or never (1.0) errs."""
-
-    def __init__(self, value: float):
-        super().__init__(0)
-        self.value = value
-
-    def random(self) -> float:
-        return self.value
 
 
 def test_the_warm_up_teacher_writes_the_operations_backwards():
