@@ -170,6 +170,12 @@ def add_staleness_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="eta 0 and 4 only, seed 0, half the steps")
     parser.add_argument("--seeds", type=int, nargs="+", help="seeds (default: 0 1 2; --quick: 0)")
     parser.add_argument(
+        "--etas",
+        type=int,
+        nargs="+",
+        help="max_staleness values (default: 0 1 2 4 8; --quick: 0 4); part of a grid, to --merge with the rest",
+    )
+    parser.add_argument(
         "--steps", type=int, help="trainer steps per run (default: the task config's trainer.steps; --quick: half)"
     )
     parser.add_argument(

@@ -29,6 +29,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -103,6 +104,7 @@ def plan_for(args: argparse.Namespace, task_steps: int) -> Plan:
     return replace(
         base,
         seeds=tuple(dict.fromkeys(args.seeds or base.seeds)),
+        etas=tuple(dict.fromkeys(args.etas or base.etas)),
         steps=default_steps if args.steps is None else args.steps,
     )
 
@@ -307,8 +309,11 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def run_grid(configs: dict[Setting, RunConfig], progress: bool) -> tuple[list[dict], Setting | None]:
-    """The rows of the runs that finished, in grid order, and the run that did not, if one did not."""
+def run_grid(
+    configs: dict[Setting, RunConfig], progress: bool, on_row: Callable[[list[dict]], None]
+) -> tuple[list[dict], Setting | None]:
+    """The rows of the runs that finished, in grid order, and the run that did not, if one did not;
+    `on_row` gets the rows after each run (the report is saved as it grows: a stopped grid keeps its runs)."""
     rows = []
     bar = tqdm(configs.items(), desc="bench staleness", unit="run", file=sys.stderr, disable=not progress)
     for setting, config in bar:
@@ -322,6 +327,7 @@ def run_grid(configs: dict[Setting, RunConfig], progress: bool) -> tuple[list[di
         rows.append(
             {**measure(setting, json.loads((run_dir / "summary.json").read_text()), lines), "run_dir": str(run_dir)}
         )
+        on_row(rows)
     return rows, None
 
 
@@ -347,9 +353,14 @@ def merge(reports: list[dict]) -> dict:
     }
 
 
-def write(report: dict, out: Path) -> None:
+def save_report(report: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def write(report: dict, out: Path) -> None:
+    """The report, and its table and plot once it has rows."""
+    save_report(report, out)
     if report["rows"]:
         print(table(report))
         plot(report, out.with_suffix(".png"))
@@ -418,33 +429,42 @@ def run(args: argparse.Namespace) -> int:
     models = build_models(p.configs, models_dir, not args.no_progress)
     models_seconds = time.time() - started
     configs = {s: with_model(c, models[s.seed]) if s.seed in models else c for s, c in p.configs.items()}
-    rows, failed = run_grid(configs, not args.no_progress)
     info = machine()
-    report = {
-        "cells": cells(rows),
-        "rows": rows,
-        "wall_seconds": round(time.time() - started, 1),
-        "models_seconds": round(models_seconds, 1),
-        "settings": {
-            "task": p.shared.data.task,
-            "task_config": args.task,
-            "quick": args.quick,
-            "etas": list(p.plan.etas),
-            "objectives": list(OBJECTIVES),
-            "seeds": list(p.plan.seeds),
-            "steps": p.plan.steps,
-            "eval_every": args.eval_every,
-            "tail_evals": TAIL_EVALS,
-            "overrides": p.common,
-            "models": models,
-            "model": "the task's demo model, warmed up once per seed, shared by every run of that seed",
-            "cores_given": cores_given(p.shared, info["cpu_count"], info["usable_cores"]),
-            "config": msgspec.to_builtins(p.shared),
-        },
-        "machine": info,
-    }
-    write(report, p.out)
+
+    def report_of(rows: list[dict]) -> dict:
+        return {
+            "cells": cells(rows),
+            "rows": rows,
+            "wall_seconds": round(time.time() - started, 1),
+            "models_seconds": round(models_seconds, 1),
+            "settings": settings_of(args, p, models, info),
+            "machine": info,
+        }
+
+    save = lambda rows: save_report(report_of(rows), p.out)  # noqa: E731
+    rows, failed = run_grid(configs, not args.no_progress, on_row=save)
+    write(report_of(rows), p.out)
     if failed:
         print(f"asyncrl: the run {failed} did not finish; {p.out} has the {len(rows)} runs before it", file=sys.stderr)
         return 1
     return 0
+
+
+def settings_of(args: argparse.Namespace, p: Prepared, models: dict[int, str], info: dict) -> dict:
+    """What every run of the grid shared, as the report records it."""
+    return {
+        "task": p.shared.data.task,
+        "task_config": args.task,
+        "quick": args.quick,
+        "etas": list(p.plan.etas),
+        "objectives": list(OBJECTIVES),
+        "seeds": list(p.plan.seeds),
+        "steps": p.plan.steps,
+        "eval_every": args.eval_every,
+        "tail_evals": TAIL_EVALS,
+        "overrides": p.common,
+        "models": models,
+        "model": "the task's demo model, warmed up once per seed, shared by every run of that seed",
+        "cores_given": cores_given(p.shared, info["cpu_count"], info["usable_cores"]),
+        "config": msgspec.to_builtins(p.shared),
+    }

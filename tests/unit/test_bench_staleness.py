@@ -312,3 +312,35 @@ def test_reports_of_separate_seeds_merge_into_the_same_table_and_plot(tmp_path, 
         assert f"differ in {key}" in capsys.readouterr().err
         other["settings"][key] = {"steps": 100, "task": "chain"}[key]
         paths[1].write_text(json.dumps(other))
+
+
+def test_etas_pick_part_of_the_grid():
+    plan = staleness.plan_for(args_for("--seeds", "1", "--etas", "4", "8", "4"), task_steps=100)
+    assert staleness.grid(plan) == [Setting(eta, o, 1) for eta in (4, 8) for o in ("naive", "decoupled")]
+
+
+def test_the_grid_hands_on_its_rows_after_every_run_and_stops_at_one_that_did_not_finish(tmp_path, monkeypatch):
+    """The report is saved as it grows, so a grid stopped part way keeps the runs it finished."""
+    summary = {"final_accuracy": 0.5, "base_accuracy": 0.2, "wall_seconds": 60.0, "steps": 2,
+               "max_staleness_trained": 1, "groups_dropped": 0, "interrupted_trajectories": 3}  # fmt: skip
+    lines = [
+        {"source": "trainer", "step": s, "time": float(s), "staleness_mean": 0.5, "clip_fraction": 0.0} for s in (1, 2)
+    ] + [{"source": "eval", "step": 2, "heldout_accuracy": 0.5}]
+    finished = {"naive", "decoupled"}
+
+    def fake_run(config, progress):
+        if config.trainer.max_staleness == 8:
+            return None
+        run_dir = tmp_path / config.name
+        run_dir.mkdir()
+        (run_dir / "summary.json").write_text(json.dumps(summary))
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        return run_dir
+
+    monkeypatch.setattr(staleness, "run_to_end", fake_run)
+    plan = staleness.plan_for(args_for("--seeds", "1", "--etas", "4", "8"), task_steps=2)
+    configs = staleness.run_configs(plan, "arith", [f"runs_dir={tmp_path}"])
+    saved: list[int] = []
+    rows, failed = staleness.run_grid(configs, progress=False, on_row=lambda rows: saved.append(len(rows)))
+    assert saved == [1, 2] and failed == Setting(8, "naive", 1)
+    assert {r["objective"] for r in rows} == finished and all(r["eta"] == 4 for r in rows)
