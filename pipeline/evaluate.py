@@ -196,6 +196,7 @@ class Evaluator:
         settings: EvalSettings,
     ):
         self.model, self.tokenizer, self.rows, self.score, self.settings = model, tokenizer, rows, scorer, settings
+        self.workflow = load_workflow(settings.workflow)
 
     @classmethod
     def for_config(cls, config: RunConfig, rows: list[Row] | None = None) -> Evaluator | None:
@@ -239,7 +240,7 @@ class Evaluator:
         engine = Engine(self.model, max_batch=s.max_batch, seed=s.seed)
         prompts, refused = self._prompts(engine, greedy_params)
         valid = [i for i, ids in enumerate(prompts) if ids is not None]
-        workflow = load_workflow(s.workflow)
+        workflow = self.workflow
         generate = partial(generate_turns, workflow=workflow, tokenizer=self.tokenizer) if workflow else generate_all
         with tqdm(total=len(valid) * (s.k + 1), desc="eval", unit="seq", disable=not progress) as bar:
             tick = lambda done: bar.update(len(done))  # noqa: E731
@@ -254,7 +255,7 @@ class Evaluator:
 
     def _stop(self) -> tuple[int, ...]:
         """EOS, and the workflow's call token: a call ends a turn, answered before the next."""
-        workflow = load_workflow(self.settings.workflow)
+        workflow = self.workflow
         stops = [self.tokenizer.eos_token_id, workflow and call_token_of(self.tokenizer, workflow.call_end)]
         return tuple(t for t in stops if t is not None)
 

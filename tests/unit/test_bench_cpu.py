@@ -37,4 +37,5 @@ def test_a_busy_child_uses_more_cores_than_a_sleeping_one():
             child.wait()
         ended = time.time()
     cores = cpu.cores(started + 0.5, ended)  # after the interpreters started
-    assert cores["trainer"] > 0.3 and cores["trainer"] > cores.get("rollout", 0.0) + 0.2
+    # relative, not absolute: on cores shared with other work the spinning child may get a fraction of one
+    assert cores["trainer"] > 0.1 and cores["trainer"] > 5 * cores.get("rollout", 0.0)

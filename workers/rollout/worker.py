@@ -139,7 +139,7 @@ class Rollout:
         key = seq.key if seq is not None else key
         flight = self.groups[prompt_id_of(key)]
         conversation, start = flight.conversations[key], flight.tokens_sent.get(key, 0)
-        tokens, logprobs, versions, mask = conversation.with_turn(seq or Sequence(key, [], self.params))
+        tokens, logprobs, versions, mask = conversation.with_turn(seq)
         version = versions[start] if start < len(versions) else self.engine.version
         loss_mask = mask[start:] if 0 in mask[start:] else []
         await self.send(flight, key, version, tokens[start:], logprobs[start:], finish_reason, loss_mask=loss_mask)
@@ -199,6 +199,7 @@ class Rollout:
         A missing or corrupted file, or one that does not load into the model (`load_into` copies nothing
         then), goes to `dead-letter` and the engine keeps its weights.
         """
+        started = time.perf_counter()
         try:
             weights = await asyncio.to_thread(verify, announced.uri, announced.content_hash, announced.version)
             for seq in self.engine.interrupt():
@@ -221,7 +222,7 @@ class Rollout:
                 )
             )
             return False
-        self.ctx.log.info("weights loaded", version=announced.version)
+        self.ctx.log.info("weights loaded", version=announced.version, seconds=round(time.perf_counter() - started, 4))
         return True
 
     async def step(self) -> list[InFlight]:

@@ -96,8 +96,10 @@ class Conversation:
     loss_mask: list[int] = field(default_factory=list)  # 1 on model tokens, 0 on replies
     calls: int = 0
 
-    def with_turn(self, seq: Sequence) -> tuple[list[int], list[float], list[int], list[int]]:
-        """Tokens, logprobs, versions and loss mask of the whole trajectory with `seq` (the turn under way)."""
+    def with_turn(self, seq: Sequence | None) -> tuple[list[int], list[float], list[int], list[int]]:
+        """Tokens, logprobs, versions and loss mask of the whole trajectory with `seq` (the turn under way, if any)."""
+        if seq is None:
+            return self.token_ids, self.logprobs, self.versions, self.loss_mask
         return (
             self.token_ids + seq.token_ids,
             self.logprobs + seq.logprobs,
