@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 
 def unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -84,8 +84,10 @@ def write_version(tensors: dict[str, torch.Tensor], weights_dir: Path, version: 
     weights_dir.mkdir(parents=True, exist_ok=True)
     final = version_path(weights_dir, version)
     partial = final.with_suffix(".partial")
-    save_file(tensors, str(partial), metadata={"version": str(version)})
-    digest = file_hash(partial)
+    data = save(tensors, metadata={"version": str(version)})  # serialised once, hashed from memory: no read-back
+    digest = hashlib.sha256(data).hexdigest()
+    with open(partial, "wb") as stream:
+        stream.write(data)
     os.replace(partial, final)
     for old in sorted(weights_dir.glob("v*.safetensors"))[:-keep]:
         old.unlink(missing_ok=True)
