@@ -13,6 +13,7 @@ import yaml
 from msgspec.structs import replace
 
 from schemas.config import RunConfig
+from workers.cores import cores_here, split_cores
 
 
 class ConfigError(ValueError):
@@ -149,6 +150,7 @@ def resolve(config: RunConfig) -> RunConfig:
     rollout.max_new_tokens 0 and model.warmup_steps null -> the task's defaults; model.dtype auto -> bfloat16 on
     CUDA, float32 on CPU; broker.fetch_wait_ms 0 -> 20 ms when trainer.max_staleness is 0 (every hop is on the
     critical path of a synchronous step), else 200 ms;
+    trainer.threads and rollout.threads 0 -> their shares of `cores` (else of this process's cores);
     trainer.checkpoint.weights_dir '' -> <runs_dir>/<name>/weights, absolute.
     """
     broker, trainer, model, rollout = config.broker, config.trainer, config.model, config.rollout
@@ -163,10 +165,21 @@ def resolve(config: RunConfig) -> RunConfig:
         model = replace(model, dtype="bfloat16" if model.device.startswith("cuda") else "float32")
     if not broker.fetch_wait_ms:
         broker = replace(broker, fetch_wait_ms=20 if trainer.max_staleness == 0 else 200)
+    if not (trainer.threads and rollout.threads):
+        cores = config.cores or cores_here()
+        trainer_threads, rollout_threads = split_cores(
+            cores, trainer.ranks, rollout.workers, trainer.threads, rollout.threads
+        )
+        trainer, rollout = replace(trainer, threads=trainer_threads), replace(rollout, threads=rollout_threads)
     if not trainer.checkpoint.weights_dir:
         weights_dir = str((Path(config.runs_dir) / config.name / "weights").resolve())
         trainer = replace(trainer, checkpoint=replace(trainer.checkpoint, weights_dir=weights_dir))
     return replace(config, broker=broker, trainer=trainer, model=model, rollout=rollout)
+
+
+def on_one_machine(config: RunConfig) -> RunConfig:
+    """`asyncrl run`: every worker on the launcher's machine, sharing its cores (`cores`, unless given)."""
+    return config if config.cores else replace(config, cores=cores_here())
 
 
 def load_task_or_error(spec: str):

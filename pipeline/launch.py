@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from pipeline.config import ConfigError, load_config, resolve, save_config
+from pipeline.config import ConfigError, load_config, on_one_machine, resolve, save_config
 from schemas.config import RunConfig
 from topics.broker import die_with_parent
 from workers import runtime
@@ -397,7 +397,7 @@ def run_pipeline(config: RunConfig, progress: bool = True, resumed_from: int | N
     `resumed_from`: the checkpoint step of a run directory's own config (`--resume`)."""
     with StopSignals() as stops:
         try:
-            return run_locally(config, progress, stops, resumed_from)
+            return run_locally(on_one_machine(config), progress, stops, resumed_from)
         except RunStopped as stop:  # before the run directory had anything to stop
             print(f"asyncrl: {stop.reason} before the run started", file=sys.stderr)
             return stop.exit_code

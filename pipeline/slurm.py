@@ -171,11 +171,14 @@ def plan(nodes: int, trainer_nodes: int, gpus: int, trainer_gpus: int | None, cp
 def layout_overrides(config: RunConfig, layout: Layout, runs_dir: Path, overrides: list[str]) -> list[str]:
     """The overrides with what the layout decides: where the run lives, how many rollout workers.
 
-    With GPUs, model.device defaults to cuda (an override model.device=... still wins).
+    With GPUs, model.device defaults to cuda (an override model.device=... still wins). Nothing is lent
+    between workers there (`cores` stays 0).
     """
     workers = len(layout.rollout_nodes)
     device = ["model.device=cuda"] if layout.gpus_per_node and config.model.device == "cpu" else []
     decided = [f"runs_dir={runs_dir}", f"rollout.workers={workers}"]
+    # each step asks Slurm for its threads as CPUs: automatic (0) threads become 1, one CPU per step
+    decided += [f"{role}.threads=1" for role in ("trainer", "rollout") if not getattr(config, role).threads]
     if workers > config.broker.partitions:  # each rollout worker consumes partitions of its own
         decided.append(f"broker.partitions={workers}")
     return [*device, *overrides, *decided]

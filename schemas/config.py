@@ -107,7 +107,9 @@ class RolloutConfig(Section):
     top_k: Annotated[int, doc("sample among the k most likely tokens; 0 = off", ge=0)] = 0
     max_new_tokens: Annotated[int, doc("completion length limit; 0 = the task's default", ge=0)] = 0
     interrupt: Annotated[bool, doc("interrupt in-flight sequences when new weights arrive")] = True
-    threads: Annotated[int, doc("torch CPU threads of each rollout worker", ge=1)] = 1
+    threads: Annotated[
+        int, doc("torch CPU threads of each rollout worker; 0 = its share of the run's cores (see `cores`)", ge=0)
+    ] = 0
     backend: Annotated[
         Literal["torch", "vllm"],
         doc("inference engine: 'torch' (embedded, CPU or CUDA) or 'vllm' (CUDA, needs the vllm extra)"),
@@ -231,10 +233,19 @@ class TrainerConfig(Section):
     """The trainer's own loop; its sections hold the optimizer, the loss, micro-batching and checkpoints."""
 
     steps: Annotated[int, doc("optimizer steps; the run ends after the last one", ge=1)] = 600
-    threads: Annotated[int, doc("torch CPU threads of the trainer (of each rank)", ge=1)] = 1
+    threads: Annotated[
+        int, doc("torch CPU threads of the trainer (of each rank); 0 = its share of the run's cores", ge=0)
+    ] = 0
     ranks: Annotated[
         int, doc("trainer processes on this machine, FSDP2 ranks under torchrun (gloo on CPU, NCCL on CUDA)", ge=1)
     ] = 1
+    borrow_cores: Annotated[
+        bool,
+        doc(
+            "step on the cores a rollout worker leaves idle too (one rank, workers on one machine: `cores`), "
+            "giving them back after each step"
+        ),
+    ] = False
     batch_groups: Annotated[int, doc("prompt groups per step (B)", ge=1)] = 8
     max_staleness: Annotated[int, doc("eta: a group released at version v trains by version v + eta", ge=0)] = 4
     optim: OptimConfig = OptimConfig()
@@ -293,6 +304,16 @@ class RunConfig(Section):
     runs_dir: Annotated[str, doc("where run directories are created")] = "runs"
     seed: Annotated[int, doc("seed for data order, sampling and the demo model")] = 0
     max_wall_s: Annotated[float, doc("stop the run after this many seconds; 0 = no limit", ge=0)] = 0.0
+    cores: Annotated[
+        int,
+        doc(
+            "cores the run's trainer and rollout workers share on one machine; `asyncrl run` sets them to the "
+            "launcher's (its affinity): threads 0 are split from them, and a core a rollout worker leaves idle "
+            "is lent to the trainer for a step at a time; 0 = workers on several machines: threads 0 are split "
+            "from the cores where each worker resolves them, and nothing is lent",
+            ge=0,
+        ),
+    ] = 0
     broker: BrokerConfig = BrokerConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()

@@ -75,8 +75,9 @@ async def trained_view(bootstrap: str, prefix: str):
 
 async def test_async_pipeline_end_to_end(broker, tmp_path, unique_name):
     prefix, eta = unique_name("async") + ".", 4
+    lending = ["cores=2", "trainer.borrow_cores=true"]  # the rollout worker lends its core while idle
     run_dir = run_pipeline(
-        tmp_path, broker.bootstrap, prefix, f"trainer.max_staleness={eta}", "telemetry.sample_ratio=1"
+        tmp_path, broker.bootstrap, prefix, f"trainer.max_staleness={eta}", "telemetry.sample_ratio=1", *lending
     )
     manifests, trained, released = await trained_view(broker.bootstrap, prefix)
 
@@ -107,6 +108,8 @@ async def test_async_pipeline_end_to_end(broker, tmp_path, unique_name):
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["outcome"] == "finished"
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {line["threads"] for line in steps if line["source"] == "trainer"} <= {1, 2}  # its own, the lent one
     assert summary["interrupted_trajectories"] > 0
     assert summary["max_staleness_trained"] <= eta
     for artifact in ("curves.png", "metrics.jsonl", "config.yaml", "tensorboard"):

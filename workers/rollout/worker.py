@@ -31,6 +31,7 @@ from topics.tracing import trace_headers
 from topics.transport import Delivery, Inbox, Outbox, Transport, WeightsFollower
 from workers import runtime
 from workers.announce import AnnouncementCheck, load_key
+from workers.cores import ledger_for
 from workers.models import load_causal_lm
 from workers.rollout.engine import Engine
 from workers.rollout.protocol import RolloutEngine, SamplingParams, Sequence
@@ -274,6 +275,7 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
     ):
         check = AnnouncementCheck(load_key(ctx.run_dir), verify_file=False)  # `load` verifies the sha256
         rollout, weights, waiting = Rollout(ctx, outbox, make_engine(config)), WeightsFollower(weights_inbox, check), []
+        cores = ledger_for(config, ctx.run_dir)  # None: the worker keeps rollout.threads throughout
         ctx.log.info("rollout started", max_batch=config.rollout.max_batch, interrupt=interrupt)
         last_report = time.monotonic()
         while not stop.is_set():
@@ -286,8 +288,12 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
             await admit(rollout, prompts, waiting, holding=new_version and not interrupt)
             await prompts.commit()
             if rollout.engine.idle() and not rollout.answered:  # calls being answered come back meanwhile
+                if cores is not None:
+                    cores.keep(0)  # the trainer may step on them meanwhile
                 await asyncio.sleep(0.005)
                 continue
+            if cores is not None and len(cores.held) < config.rollout.threads:
+                await asyncio.to_thread(cores.hold, config.rollout.threads)  # the trainer gives them back after a step
             for flight in await rollout.step():
                 prompts.done(flight.delivery)
             if time.monotonic() - last_report > METRICS_PERIOD_S:

@@ -40,6 +40,7 @@ from topics.export import ExportError, append_export
 from topics.transport import Delivery, Inbox, Outbox, Transport
 from workers import runtime
 from workers.announce import load_key, signed_headers
+from workers.cores import ledger_for
 from workers.trainer import checkpoint
 from workers.trainer.buffer import Group, GroupBuffer
 from workers.trainer.model import Trainer, checkpoints_dir
@@ -119,6 +120,9 @@ class Lead:
         self.metrics, self.started = ctx.metrics(), time.monotonic()
         self.step_ended = time.perf_counter()  # the wait for the next batch starts here
         self.key = load_key(ctx.run_dir)  # signs every announcement (workers.announce); None: the run has no key
+        self.cores = ledger_for(ctx.config, ctx.run_dir)  # None: the trainer keeps trainer.threads throughout
+        if self.cores is not None:
+            self.cores.hold(self.cfg.threads)
 
     async def next_batch(self) -> tuple[list[Group], BatchManifest | None]:
         """A recorded step to redo once its groups are all here, else a new batch (empty while not ready)."""
@@ -158,7 +162,7 @@ class Lead:
                 for g in groups
                 if g.prompt_id in self.feed.traces
             ]
-            stats = await asyncio.to_thread(self.trainer.train, groups)
+            stats = await asyncio.to_thread(self.train_on_free_cores, groups)
             for span in group_spans:
                 span.end()
         clock.lap("time_train")
@@ -170,6 +174,19 @@ class Lead:
         clock.lap("time_checkpoint")
         self.step_ended = clock.last
         self.report({**stats, **clock.seconds}, time.monotonic() - step_started)
+
+    def train_on_free_cores(self, groups: list[Group]) -> dict:
+        """The step on the trainer's own cores and on any a rollout worker has left idle, given back after it
+        (a rollout worker with work again waits for them at most this step); `threads`: how many it used."""
+        if self.cores is None:
+            return {**self.trainer.train(groups), "threads": self.cfg.threads}
+        threads = self.cfg.threads + self.cores.take(len(self.cores.files))
+        torch.set_num_threads(threads)
+        try:
+            return {**self.trainer.train(groups), "threads": threads}
+        finally:
+            self.cores.keep(self.cfg.threads)
+            torch.set_num_threads(self.cfg.threads)
 
     async def announce(self, final: bool = False, clock: PhaseClock | None = None) -> None:
         """Publish the current weights, then tell `weights` (path and sha256), signed with the run's key."""
