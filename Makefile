@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # torch first and pinned: this pin is a local CPU wheel here; an unpinned torch pulls CUDA builds.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test test-unit compose-test chaos lint format install install-test clean
+.PHONY: demo test test-unit compose-test chaos lint format install install-test clean gpu-check gpu-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,14 @@ lint: install-test
 format: install-test
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
+
+# on a CUDA machine, the GPU checks and benchmarks (README, GPU check); no install step, as a GPU machine has no registry
+gpu-check:
+	@$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) -m pipeline.cli gpu-check
+
+# cp312 manylinux wheels of the pipeline's dependencies a GPU machine lacks, into infra/gpu-wheels (carry it along)
+gpu-wheels: install
+	$(BIN)/python -m pipeline.bench.gpu wheels
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_topics_parser(commands)
     add_replay_parser(commands)
     add_bench_parser(commands)
+    add_gpu_check_parser(commands)
     from pipeline.chaos.cli import add_parser as add_chaos_parser  # the standard library only
     from pipeline.slurm import add_parser as add_slurm_parser  # the standard library only
 
@@ -107,6 +108,16 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
         "--quick: eta 0 and 4, one seed, half the steps, 4 runs (arith: about 15 min idle, 21 min on 2 busy cores).",
     )
     add_staleness_arguments(staleness)
+    add_peer_arguments(
+        kinds.add_parser(
+            "peer",
+            help="held-out accuracy vs wall time: asyncrl run against TRL's GRPOTrainer (the peer extra)",
+            description="TRL's GRPOTrainer, then `asyncrl run --task`, one after the other on the same cores, from "
+            "the same demo model, with the task config's batch, samples, lr and output limit; both scored by "
+            "asyncrl's evaluator. Reports each one's accuracy against wall time and time_to_peer_final_ratio "
+            "(asyncrl's time to the peer's final accuracy / the peer's wall time). Needs pip install -e '.[peer]'.",
+        )
+    )
     add_sandbox_arguments(
         kinds.add_parser(
             "sandbox",
@@ -116,6 +127,35 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
             "(package bubblewrap).",
         )
     )
+
+
+def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("overrides", nargs="*", help="dotted overrides of the task config, for both systems")
+    add_task_argument(parser, default="arith")
+    parser.add_argument("--steps", type=int, help="trainer steps of each (default: the task config's trainer.steps)")
+    parser.add_argument("--seed", type=int, default=0, help="demo model, data order and sampling (default: 0)")
+    parser.add_argument(
+        "--threads", type=int, help="cores both systems are pinned to, the peer's torch threads (default: all usable)"
+    )
+    parser.add_argument(
+        "--eval-every", type=int, help="steps between held-out evaluations (default: the task config's eval.every)"
+    )
+    parser.add_argument("--out", help="JSON results file, the plot next to it (default: runs/bench/peer-<task>.json)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def add_gpu_check_parser(commands: argparse._SubParsersAction) -> None:
+    """`asyncrl gpu-check` (`make gpu-check`): pipeline/bench/gpu.py; without CUDA it says so and runs nothing."""
+    gpu = commands.add_parser(
+        "gpu-check",
+        help="on a CUDA machine: the checks and benchmarks only a GPU can answer (README, GPU check)",
+        description="Engine vs HF generate in bfloat16, bench microbatch on cuda, packed attention on the GPU "
+        "(SDPA per sequence and FlexAttention) against the CPU path, trainer steps over NCCL on one and two "
+        "ranks, bench pipeline with a ~100M-parameter model. A failing check does not stop the others; "
+        "a summary table ends the output. Exit 2 without CUDA, 1 if a check failed.",
+    )
+    gpu.add_argument("--out", default="runs/bench/gpu-check.json", help="JSON results file (default: %(default)s)")
+    gpu.add_argument("--only", nargs="+", metavar="CHECK", help="run only these checks (names as in the table)")
 
 
 def add_sandbox_arguments(parser: argparse.ArgumentParser) -> None:
@@ -162,6 +202,13 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         default=3,
         help="alternating runs per system and length distribution; the fastest counts (default: %(default)s)",
     )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="the model's weights and activations, in both systems (default: %(default)s)",
+    )
 
 
 def add_staleness_arguments(parser: argparse.ArgumentParser) -> None:
@@ -195,10 +242,10 @@ def add_staleness_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_task_argument(parser: argparse.ArgumentParser) -> None:
+def add_task_argument(parser: argparse.ArgumentParser, default: str = "chain") -> None:
     parser.add_argument(
         "--task",
-        default="chain",
+        default=default,
         help="a shipped config's name (pipeline/configs/<task>.yaml: arith, chain) or a YAML config file; "
         "every run is that config plus the bench's settings (default: %(default)s)",
     )
@@ -382,7 +429,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:  # overrides written after an option, e.g. `run --no-progress trainer.optim.lr=1e-4`
         args.overrides = [*args.overrides, *extra]
-    from pipeline.config import RUN_DIR_NOTE, ConfigError, explain, load_config, resolve, to_yaml
+    # before pipeline.config: a GPU machine may lack msgspec until gpu-check installs it
+    if args.command == "gpu-check":
+        from pipeline.bench.gpu import main as gpu_check
+
+        return gpu_check(args)
+    from pipeline.config import RUN_DIR_NOTE, ConfigError, explain, load_config, on_one_machine, resolve, to_yaml
 
     try:
         if args.command in ("topics", "replay"):
@@ -424,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "prepare":
             return prepare_command(config)
         if args.dry_run:
-            print(RUN_DIR_NOTE + (explain(resolve(config)) if args.explain else to_yaml(resolve(config))), end="")
+            config = resolve(on_one_machine(config))
+            print(RUN_DIR_NOTE + (explain(config) if args.explain else to_yaml(config)), end="")
             return 0
         from pipeline.launch import run_pipeline
 

@@ -3,15 +3,17 @@
 Imported only when a bench runs, so the CLI's `--help` stays instant.
 """
 
+from __future__ import annotations
+
 import argparse
 import importlib
 import os
 import platform
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import msgspec
-
-from schemas.config import RunConfig
+if TYPE_CHECKING:  # msgspec (schemas, workers.cores) is imported where it is used: gpu-check starts without it
+    from schemas.config import RunConfig
 
 
 def machine() -> dict:
@@ -73,14 +75,26 @@ def build_demo_model(config: RunConfig, out_dir: Path, progress: bool) -> str:
 
 
 def with_model(config: RunConfig, path: str) -> RunConfig:
+    import msgspec
+
     return msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=path))
 
 
 def cores_given(config: RunConfig, cpu_count: int | None, usable_cores: int) -> dict:
-    """The CPU each role is given (processes x torch threads) and what the machine has: a run's demand vs supply."""
+    """The CPU each role is given (processes x torch threads; automatic threads as `asyncrl run` resolves them
+    on `usable_cores`) and what the machine has: a run's demand vs supply."""
+    from workers.cores import split_cores
+
+    trainer, rollout = split_cores(
+        config.cores or usable_cores,
+        config.trainer.ranks,
+        config.rollout.workers,
+        config.trainer.threads,
+        config.rollout.threads,
+    )
     roles = {
-        "rollout": {"processes": config.rollout.workers, "threads": config.rollout.threads},
-        "trainer": {"processes": config.trainer.ranks, "threads": config.trainer.threads},
+        "rollout": {"processes": config.rollout.workers, "threads": rollout},
+        "trainer": {"processes": config.trainer.ranks, "threads": trainer},
         "reward": {"processes": config.reward.processes, "threads": 1},  # scoring processes, one thread each
     }
     threads = sum(role["processes"] * role["threads"] for role in roles.values())

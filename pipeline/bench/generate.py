@@ -19,6 +19,9 @@ weights file in place, and the step that re-prefills every sequence).
 Speedups compare the fastest wall-clock run of each system. Each run also records the
 process CPU time it took, and `speedup_vs_hf_cpu` compares those: on a machine shared
 with other work, CPU time is the steadier measure of the same thing.
+
+`--device` and `--dtype` move the model (both systems share it) before anything runs:
+`asyncrl gpu-check` runs this bench on CUDA in bfloat16; the defaults are cpu and float32.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ class Settings:
     threads: int
     repeats: int
     temperature: float = 1.0
+    device: str = "cpu"
+    dtype: str = "float32"  # a torch dtype's name: the model's weights and activations in both systems
 
 
 def long_tailed_lengths(n: int, limit: int, rng: random.Random) -> list[int]:
@@ -91,6 +96,7 @@ def run_engine(model, prompts: list[list[int]], lengths: list[int], s: Settings,
     while not engine.idle():
         bar.update(sum(len(seq.token_ids) for seq in engine.step()))
         steps += 1
+    synchronize(engine.device)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     if [len(seq.token_ids) for seq in seqs] != lengths:
         raise RuntimeError("engine produced other lengths than requested")
@@ -112,8 +118,9 @@ def run_hf(model, prompts: list[list[int]], lengths: list[int], s: Settings, bar
     for first in range(0, len(prompts), batch):
         chunk, wanted = prompts[first : first + batch], lengths[first : first + batch]
         width, longest = max(map(len, chunk)), max(wanted)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])  # [b, width], left-padded
-        mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in chunk])[:, None]).long()  # [b, width]
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk], device=model.device)  # [b, width], padded
+        starts = torch.tensor([width - len(p) for p in chunk], device=model.device)  # [b]
+        mask = (torch.arange(width, device=model.device) >= starts[:, None]).long()  # [b, width]
         out = model.generate(
             input_ids=ids,
             attention_mask=mask,
@@ -129,6 +136,7 @@ def run_hf(model, prompts: list[list[int]], lengths: list[int], s: Settings, bar
             raise RuntimeError("HF generate stopped early; the comparison needs forced lengths")
         generated += len(chunk) * longest
         bar.update(sum(wanted))
+    synchronize(model.device)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     return {
         "seconds": round(seconds, 3),
@@ -182,6 +190,12 @@ def step_costs(model, prompts: list[list[int]], lengths: list[int], s: Settings)
     }
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for queued CUDA work, so that a timed region ends when its work does (nothing to wait for on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def fastest(runs: list[dict]) -> dict:
     """The quickest of repeated runs: load from other processes only ever slows a run down."""
     return {
@@ -226,7 +240,7 @@ def benchmark(s: Settings) -> dict:
     rng = random.Random(s.seed)
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = build_tokenizer(tmp)
-        model = build_model(tmp, tokenizer, seed=s.seed).eval()
+        model = build_model(tmp, tokenizer, seed=s.seed).eval().to(device=s.device, dtype=getattr(torch, s.dtype))
     limit = model.config.max_position_embeddings
     if PROMPT_LENGTHS[1] + s.max_new_tokens > limit:
         raise ValueError(
@@ -265,7 +279,7 @@ def benchmark(s: Settings) -> dict:
             "hidden_size": model.config.hidden_size,
             "dtype": str(model.dtype),
         },
-        "machine": {**machine(), "device": "cpu"},
+        "machine": {**machine(), "device": s.device},
     }
 
 
@@ -273,7 +287,8 @@ def table(report: dict) -> str:
     settings = report["settings"]
     lines = [
         f"best of {settings['repeats']} alternating runs, concurrency {settings['concurrency']}, "
-        f"{settings['requests']} requests, {report['machine']['torch_threads']} torch thread(s)",
+        f"{settings['requests']} requests, {report['machine']['torch_threads']} torch thread(s), "
+        f"{settings['device']} {settings['dtype']}",
         f"{'lengths':<12} {'system':<13} {'useful tok':>10} {'seconds':>8} {'tok/s':>9} {'speedup':>8}",
     ]
     for name, r in report["scenarios"].items():
@@ -317,7 +332,12 @@ def run(args: argparse.Namespace) -> int:
         hf_batch=args.hf_batch,
         threads=args.threads,
         repeats=args.repeats,
+        device=args.device,
+        dtype=args.dtype,
     )
+    if s.device != "cpu" and not (s.device.startswith("cuda") and torch.cuda.is_available()):
+        print(f"asyncrl: --device {s.device}: use cpu, or cuda where a GPU is present", file=sys.stderr)
+        return 2
     if min(s.concurrency, s.requests, s.max_new_tokens, s.hf_batch or 1, s.threads, s.repeats) < 1:
         print(
             "asyncrl: --concurrency, --requests, --max-new-tokens, --hf-batch, --threads and --repeats "

