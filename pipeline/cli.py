@@ -75,29 +75,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
         "model: eta 0 (sync), eta 4 with interruption, eta 4 without. Reports trained and generated tokens/s, "
         "the cores each role was given and used, and the machine's cores.",
     )
-    pipeline.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. rollout.max_batch=16")
-    add_task_argument(pipeline)
-    pipeline.add_argument("--out", help="JSON results file (default: runs/bench/pipeline-<task>.json)")
-    pipeline.add_argument("--steps", type=int, default=60, help="trainer steps per run (default: %(default)s)")
-    pipeline.add_argument(
-        "--warmup-steps", type=int, default=10, help="steps left out of the measurement (default: %(default)s)"
-    )
-    pipeline.add_argument(
-        "--max-new-tokens",
-        type=int,
-        help="output length limit (default: the task config's rollout.max_new_tokens, 0 = the task's own)",
-    )
-    pipeline.add_argument("--batch-groups", type=int, default=8, help="groups per step (default: %(default)s)")
-    pipeline.add_argument("--n-samples", type=int, default=8, help="samples per group (default: %(default)s)")
-    pipeline.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
-    pipeline.add_argument(
-        "--lr",
-        type=float,
-        default=1e-9,
-        help="trainer learning rate; tiny by default, so the policy (and its output lengths) stays "
-        "the same in every run and the ratios measure the system, not learning (default: %(default)s)",
-    )
-    pipeline.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_pipeline_arguments(pipeline)
     staleness = kinds.add_parser(
         "staleness",
         help="held-out accuracy vs staleness bound eta, naive vs decoupled PPO (the paper's Table 2)",
@@ -127,6 +105,32 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
             "(package bubblewrap).",
         )
     )
+
+
+def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. rollout.max_batch=16")
+    add_task_argument(parser)
+    parser.add_argument("--out", help="JSON results file (default: runs/bench/pipeline-<task>.json)")
+    parser.add_argument("--steps", type=int, default=60, help="trainer steps per run (default: %(default)s)")
+    parser.add_argument(
+        "--warmup-steps", type=int, default=10, help="steps left out of the measurement (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help="output length limit (default: the task config's rollout.max_new_tokens, 0 = the task's own)",
+    )
+    parser.add_argument("--batch-groups", type=int, default=8, help="groups per step (default: %(default)s)")
+    parser.add_argument("--n-samples", type=int, default=8, help="samples per group (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=1e-9,
+        help="trainer learning rate; tiny by default, so the policy (and its output lengths) stays "
+        "the same in every run and the ratios measure the system, not learning (default: %(default)s)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
@@ -421,14 +425,20 @@ def split_config_and_overrides(config: str | None, overrides: list[str]) -> tupl
     return config, overrides
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The arguments; overrides may also come after an option (`run --no-progress trainer.optim.lr=1e-4`)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     stray = [word for word in extra if word.startswith("-") or "=" not in word]
     if stray or (extra and not hasattr(args, "overrides")):  # only commands that take overrides
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
-    if extra:  # overrides written after an option, e.g. `run --no-progress trainer.optim.lr=1e-4`
+    if extra:
         args.overrides = [*args.overrides, *extra]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
     # before pipeline.config: a GPU machine may lack msgspec until gpu-check installs it
     if args.command == "gpu-check":
         from pipeline.bench.gpu import main as gpu_check

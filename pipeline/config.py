@@ -150,7 +150,7 @@ def resolve(config: RunConfig) -> RunConfig:
     rollout.max_new_tokens 0 and model.warmup_steps null -> the task's defaults; model.dtype auto -> bfloat16 on
     CUDA, float32 on CPU; broker.fetch_wait_ms 0 -> 20 ms when trainer.max_staleness is 0 (every hop is on the
     critical path of a synchronous step), else 200 ms;
-    trainer.threads and rollout.threads 0 -> their shares of `cores` (else of this process's cores);
+    trainer.threads and rollout.threads 0 -> their shares of `cores` (0, a deployment: 1 each);
     trainer.checkpoint.weights_dir '' -> <runs_dir>/<name>/weights, absolute.
     """
     broker, trainer, model, rollout = config.broker, config.trainer, config.model, config.rollout
@@ -166,9 +166,10 @@ def resolve(config: RunConfig) -> RunConfig:
     if not broker.fetch_wait_ms:
         broker = replace(broker, fetch_wait_ms=20 if trainer.max_staleness == 0 else 200)
     if not (trainer.threads and rollout.threads):
-        cores = config.cores or cores_here()
-        trainer_threads, rollout_threads = split_cores(
-            cores, trainer.ranks, rollout.workers, trainer.threads, rollout.threads
+        trainer_threads, rollout_threads = (
+            split_cores(config.cores, trainer.ranks, rollout.workers, trainer.threads, rollout.threads)
+            if config.cores
+            else (trainer.threads or 1, rollout.threads or 1)  # a deployment: each replica's cores are unknown here
         )
         trainer, rollout = replace(trainer, threads=trainer_threads), replace(rollout, threads=rollout_threads)
     if not trainer.checkpoint.weights_dir:

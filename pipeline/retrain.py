@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.monitor import read_metrics
 from schemas.config import RunConfig
 from schemas.messages import BatchManifest, DecodeError, Scored, decode
 from topics.inspect import RawRecord
@@ -70,6 +71,12 @@ def recorded_weights(config: RunConfig, step: int) -> tuple[Path, dict[str, torc
     )
 
 
+def step_threads(config: RunConfig) -> dict[int, int]:
+    """The threads each step ran on (metrics.jsonl; more than trainer.threads where it borrowed cores)."""
+    lines, _ = read_metrics(runtime.run_dir(config) / "metrics.jsonl")
+    return {line["step"]: line["threads"] for line in lines if line["source"] == "trainer" and "threads" in line}
+
+
 def retrain(
     config: RunConfig, step: int, manifests: list[BatchManifest], scored: dict[tuple[int, int], Scored]
 ) -> Retrained:
@@ -79,13 +86,14 @@ def retrain(
         raise RetrainError(f"no manifest of step {step} on `batches` ({recorded})")
     start = checkpoint.newest(checkpoints_dir(config), before=step)
     compared_with, expected = recorded_weights(config, step)
-    torch.set_num_threads(config.trainer.threads)  # as the trainer: the thread count changes the sums' order
+    threads = step_threads(config)
     trainer = Trainer(config, start)
     first = trainer.state.step + 1
     missing = [s for s in range(first, step + 1) if s not in by_step]
     if missing:
         raise RetrainError(f"steps {missing} have no manifest: cannot rebuild from step {first - 1}")
     for s in range(first, step + 1):
+        torch.set_num_threads(threads.get(s, config.trainer.threads or 1))  # the thread count orders the sums
         stats = trainer.train(groups_of(by_step[s], scored))
     weights = trainer.commands.gather_weights()  # float32 masters; a version file holds them cast to model.dtype
     diffs = {

@@ -308,9 +308,9 @@ class RunConfig(Section):
         int,
         doc(
             "cores the run's trainer and rollout workers share on one machine; `asyncrl run` sets them to the "
-            "launcher's (its affinity): threads 0 are split from them, and a core a rollout worker leaves idle "
-            "is lent to the trainer for a step at a time; 0 = workers on several machines: threads 0 are split "
-            "from the cores where each worker resolves them, and nothing is lent",
+            "launcher's (its affinity): threads 0 are split from them, and with trainer.borrow_cores a core a "
+            "rollout worker leaves idle is lent to the trainer for a step at a time; 0 = a deployment (compose, "
+            "Slurm, workers on several machines): threads 0 become 1 and nothing is lent",
             ge=0,
         ),
     ] = 0

@@ -4,10 +4,11 @@ On 2 cores the trainer computes on one and the rollout worker on the other, and 
 the staleness bound much of the time: its core then idles while the trainer's step is what everyone waits
 for. Each core is a lock file under <run dir>/cores (flock): a worker computes with as many torch threads as
 it holds cores. A rollout worker holds its own while it generates and leaves them while it has nothing to do;
-the trainer takes whatever is free for one step and gives it back after, so a rollout worker with work waits
-at most one step for its core, and no two workers ever compute on one core (more threads than cores collapse
-tiny matmuls: 0.13 s became 2.3 s per step here). The kernel drops a dead process's locks: a killed worker
-never keeps a core.
+the trainer borrows whatever is free for one step and gives it back after, and borrows nothing while a rollout
+worker waits for its own, so one with work waits at most one step for its core. The trainer and the rollout
+workers never compute on one core together (more threads than cores collapse tiny matmuls: 0.13 s became
+2.3 s per step here); the reward worker, the broker and the launcher's evaluator are not in the ledger. The
+kernel drops a dead process's locks: a killed worker never keeps a core.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import fcntl
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from schemas.config import RunConfig
@@ -40,8 +42,10 @@ class CoreLedger:
 
     def __init__(self, directory: Path, cores: int):
         directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
         self.files = [open(directory / f"core-{i}", "a+b") for i in range(cores)]  # noqa: SIM115 (held for life)
         self.held: set[int] = set()
+        self.wanted = directory / f"wanted-{os.getpid()}-{id(self)}"  # while `hold` waits
 
     def take(self, count: int) -> int:
         """Up to `count` more cores among those no one holds, without waiting; how many were taken."""
@@ -59,11 +63,32 @@ class CoreLedger:
             taken += 1
         return taken
 
-    def hold(self, count: int, poll_s: float = 0.002) -> None:
-        """Hold at least `count` cores, waiting for others to give theirs back (the trainer does after a step)."""
-        while len(self.held) < count:
-            if not self.take(count - len(self.held)):
-                time.sleep(poll_s)
+    def hold(self, count: int, stopped: Callable[[], bool] = lambda: False, poll_s: float = 0.002) -> bool:
+        """Hold at least `count` cores, waiting for others to give theirs back (the trainer does after a step);
+        False if `stopped` first."""
+        if len(self.held) >= count:
+            return True
+        self.wanted.touch()
+        try:
+            while len(self.held) < count:
+                if stopped():
+                    return False
+                if not self.take(count - len(self.held)):
+                    time.sleep(poll_s)
+            return True
+        finally:
+            self.wanted.unlink(missing_ok=True)
+
+    def borrow(self, count: int) -> int:
+        """`take`, unless another process waits for its cores (`hold`): they are its own, just given back."""
+        return 0 if self.someone_waits() else self.take(count)
+
+    def someone_waits(self) -> bool:
+        """Another ledger of the run waits for its cores (a killed waiter's mark is ignored)."""
+        return any(
+            mark != self.wanted and Path(f"/proc/{mark.name.split('-')[1]}").exists()
+            for mark in self.directory.glob("wanted-*")
+        )
 
     def keep(self, count: int) -> None:
         """Give back all but `count` of the held cores."""
@@ -72,8 +97,9 @@ class CoreLedger:
             self.held.discard(i)
 
     def close(self) -> None:
+        """Give every core back (closing a lock file drops its lock)."""
         for file in self.files:
-            file.close()  # closing drops the locks
+            file.close()
         self.held.clear()
 
 

@@ -441,7 +441,9 @@ def run(args: argparse.Namespace) -> int:
             "machine": info,
         }
 
-    save = lambda rows: save_report(report_of(rows), p.out)  # noqa: E731
+    def save(rows: list[dict]) -> None:
+        save_report(report_of(rows), p.out)
+
     rows, failed = run_grid(configs, not args.no_progress, on_row=save)
     write(report_of(rows), p.out)
     if failed:

@@ -110,6 +110,7 @@ async def test_async_pipeline_end_to_end(broker, tmp_path, unique_name):
     assert summary["steps"] == STEPS and summary["outcome"] == "finished"
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert {line["threads"] for line in steps if line["source"] == "trainer"} <= {1, 2}  # its own, the lent one
+    assert len(list((run_dir / "cores").glob("*/core-*"))) == 2  # the ledger the two workers shared
     assert summary["interrupted_trajectories"] > 0
     assert summary["max_staleness_trained"] <= eta
     for artifact in ("curves.png", "metrics.jsonl", "config.yaml", "tensorboard"):

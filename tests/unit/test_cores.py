@@ -1,10 +1,12 @@
 """Cores lent between a run's workers: the split, the ledger's locks between processes, when nothing is lent."""
 
+import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -49,7 +51,9 @@ def test_threads_0_are_resolved_from_the_runs_cores_and_given_ones_kept():
     config = resolve(load_config(None, ["cores=6", "trainer.threads=1"]))
     assert (config.trainer.threads, config.rollout.threads) == (1, 5)  # the rest to the other role
     assert on_one_machine(load_config(None, ["cores=5"])).cores == 5  # given: kept
-    assert on_one_machine(load_config(None, [])).cores >= 1  # asyncrl run: the launcher's
+    assert on_one_machine(load_config(None, [])).cores == len(os.sched_getaffinity(0))  # asyncrl run: the launcher's
+    deployment = resolve(load_config(None, []))  # cores 0: compose or Slurm replicas, whose cores are unknown here
+    assert (deployment.trainer.threads, deployment.rollout.threads) == (1, 1)
 
 
 def test_a_core_is_held_by_one_ledger_at_a_time(tmp_path: Path):
@@ -75,14 +79,34 @@ def test_hold_waits_until_the_core_is_given_back(tmp_path: Path):
 
 
 def test_a_killed_process_keeps_no_core(tmp_path: Path):
-    code = f"from pathlib import Path; from workers.cores import CoreLedger; c = CoreLedger(Path({str(tmp_path)!r}), 2); c.take(2); print(1, flush=True)"
-    child = subprocess.Popen([sys.executable, "-c", code + "; import time; time.sleep(60)"], stdout=subprocess.PIPE)
-    assert child.stdout.readline().strip() == b"1"
-    ledger = CoreLedger(tmp_path, 2)
-    assert ledger.take(2) == 0
-    child.send_signal(signal.SIGKILL)
-    child.wait()
+    code = (
+        "from pathlib import Path; from workers.cores import CoreLedger; "
+        f"c = CoreLedger(Path({str(tmp_path)!r}), 2); c.take(2); print(1, flush=True); import time; time.sleep(60)"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline().strip() == b"1"
+        ledger = CoreLedger(tmp_path, 2)
+        assert ledger.take(2) == 0
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
     assert ledger.take(2) == 2
+
+
+def test_the_trainer_borrows_nothing_while_a_rollout_worker_waits_for_its_core(tmp_path: Path):
+    trainer, rollout = CoreLedger(tmp_path, 2), CoreLedger(tmp_path, 2)
+    trainer.take(2)  # stepping on both
+    waiter = threading.Thread(target=rollout.hold, args=(1,))
+    waiter.start()
+    time.sleep(0.05)
+    trainer.keep(1)  # the step ended
+    assert trainer.borrow(1) in (0, 1)  # the waiter may have its core already
+    waiter.join(timeout=5)
+    assert rollout.held and len(trainer.held) == 1
+    assert not list(tmp_path.glob("wanted-*"))  # its wish is gone with the wait
+    stopped = CoreLedger(tmp_path, 2)
+    assert stopped.hold(1, stopped=lambda: True) is False  # a stop ends the wait
 
 
 @pytest.mark.parametrize(
@@ -101,6 +125,7 @@ def test_cores_are_lent_only_on_one_machine_to_one_rank_within_the_cores(tmp_pat
 
 
 def test_the_trainer_steps_on_the_free_cores_and_gives_them_back(tmp_path: Path):
+    """In an executor thread, as the trainer's loop runs its step: torch's thread count is per thread."""
     import torch
 
     from workers.trainer.worker import Lead
@@ -109,10 +134,11 @@ def test_the_trainer_steps_on_the_free_cores_and_gives_them_back(tmp_path: Path)
     trainer = SimpleNamespace(train=lambda groups: seen.append(torch.get_num_threads()) or {"loss": 0.0})
     own, rollout = CoreLedger(tmp_path, 2), CoreLedger(tmp_path, 2)
     lead = SimpleNamespace(cores=own, cfg=SimpleNamespace(threads=1), trainer=trainer)
-    own.hold(1)
-    torch.set_num_threads(1)
-    assert Lead.train_on_free_cores(lead, []) == {"loss": 0.0, "threads": 2}  # the rollout worker idles
-    assert len(own.held) == 1 and torch.get_num_threads() == 1
-    rollout.hold(1)
-    assert Lead.train_on_free_cores(lead, [])["threads"] == 1  # it generates: its core is its own
+    own.take(1)
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(torch.set_num_threads, 1).result()
+        assert pool.submit(Lead.train_on_free_cores, lead, []).result() == {"loss": 0.0, "threads": 2}  # idle rollout
+        assert len(own.held) == 1 and pool.submit(torch.get_num_threads).result() == 1
+        rollout.take(1)
+        assert pool.submit(Lead.train_on_free_cores, lead, []).result()["threads"] == 1  # it generates: its own core
     assert seen == [2, 1]

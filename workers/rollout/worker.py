@@ -31,7 +31,7 @@ from topics.tracing import trace_headers
 from topics.transport import Delivery, Inbox, Outbox, Transport, WeightsFollower
 from workers import runtime
 from workers.announce import AnnouncementCheck, load_key
-from workers.cores import ledger_for
+from workers.cores import CoreLedger, ledger_for
 from workers.models import load_causal_lm
 from workers.rollout.engine import Engine
 from workers.rollout.protocol import RolloutEngine, SamplingParams, Sequence
@@ -281,8 +281,11 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
         while not stop.is_set():
             latest = await weights.poll()
             new_version = rollout.wants(latest)
-            if new_version and (interrupt or rollout.engine.idle()) and await rollout.load(latest) and latest.final:
-                break
+            if new_version and (interrupt or rollout.engine.idle()):
+                if not await own_cores(cores, config.rollout.threads, stop):
+                    break
+                if await rollout.load(latest) and latest.final:
+                    break
             arrived = await prompts.poll(0 if waiting or not rollout.engine.idle() else 0.05)
             waiting += await screen(prompts, arrived, rollout.engine.vocab)
             await admit(rollout, prompts, waiting, holding=new_version and not interrupt)
@@ -292,8 +295,8 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
                     cores.keep(0)  # the trainer may step on them meanwhile
                 await asyncio.sleep(0.005)
                 continue
-            if cores is not None and len(cores.held) < config.rollout.threads:
-                await asyncio.to_thread(cores.hold, config.rollout.threads)  # the trainer gives them back after a step
+            if not await own_cores(cores, config.rollout.threads, stop):
+                break
             for flight in await rollout.step():
                 prompts.done(flight.delivery)
             if time.monotonic() - last_report > METRICS_PERIOD_S:
@@ -304,8 +307,16 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
                     interrupted_segments=rollout.interrupted,
                 )
                 last_report = time.monotonic()
+        if cores is not None:
+            cores.close()
         await prompts.commit(now=True)
         ctx.log.info("rollout finished", version=rollout.engine.version, interrupted_segments=rollout.interrupted)
+
+
+async def own_cores(cores: CoreLedger | None, threads: int, stop: asyncio.Event) -> bool:
+    """True once the worker holds its cores again (at once if it does; the trainer gives a lent one back after
+    its step); False if stopped meanwhile."""
+    return cores is None or len(cores.held) >= threads or await asyncio.to_thread(cores.hold, threads, stop.is_set)
 
 
 async def screen(prompts: Inbox[PromptGroup], arrived: list[Delivery[PromptGroup]], vocab: int) -> list[InFlight]:

@@ -121,8 +121,8 @@ class Lead:
         self.step_ended = time.perf_counter()  # the wait for the next batch starts here
         self.key = load_key(ctx.run_dir)  # signs every announcement (workers.announce); None: the run has no key
         self.cores = ledger_for(ctx.config, ctx.run_dir)  # None: the trainer keeps trainer.threads throughout
-        if self.cores is not None:
-            self.cores.hold(self.cfg.threads)
+        if self.cores is not None and self.cores.take(self.cfg.threads) < self.cfg.threads:
+            ctx.log.warning("fewer free cores than trainer.threads: another process holds them", cores=ctx.config.cores)
 
     async def next_batch(self) -> tuple[list[Group], BatchManifest | None]:
         """A recorded step to redo once its groups are all here, else a new batch (empty while not ready)."""
@@ -180,7 +180,7 @@ class Lead:
         (a rollout worker with work again waits for them at most this step); `threads`: how many it used."""
         if self.cores is None:
             return {**self.trainer.train(groups), "threads": self.cfg.threads}
-        threads = self.cfg.threads + self.cores.take(len(self.cores.files))
+        threads = self.cfg.threads + self.cores.borrow(len(self.cores.files))
         torch.set_num_threads(threads)
         try:
             return {**self.trainer.train(groups), "threads": threads}
@@ -285,4 +285,6 @@ async def lead(ctx: runtime.WorkerContext, trainer: Trainer, stop: asyncio.Event
                 await loop.step(groups, manifest)
         if stop.is_set() and st.step % cfg.checkpoint.every:
             await loop.checkpoint()
+        if loop.cores is not None:
+            loop.cores.close()
     ctx.log.info("trainer finished", step=st.step, stopped=stop.is_set())
