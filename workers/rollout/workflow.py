@@ -62,6 +62,7 @@ class PythonTool(Workflow):
 
     call_start = "["
     alphabet = "[]"
+    max_calls = 32  # one per written-out step: `chain` has up to 25 (at 8, the 17.5 % of its problems with more failed)
     limits = Limits(cpu_s=1.0, wall_s=3.0, memory_mb=128, processes=4, output_bytes=4096)
 
     def check(self) -> None:
