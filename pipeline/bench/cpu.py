@@ -16,8 +16,13 @@ from pathlib import Path
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
-def process_table() -> dict[int, tuple[int, int, str]]:
-    """pid -> (parent pid, CPU ticks used so far, command line), for every readable process."""
+Table = dict[int, tuple[int, int, int, str]]
+
+
+def process_table() -> Table:
+    """pid -> (parent pid, CPU ticks used so far, ticks of the children it has reaped, command line), for every
+    readable process. A sandboxed execution lives ~26 ms, far less than a sampling interval: it is only ever
+    seen in its scorer's count of reaped children."""
     table = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -28,7 +33,8 @@ def process_table() -> dict[int, tuple[int, int, str]]:
         except OSError:  # ended while we looked
             continue
         fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, ...
-        table[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]), cmdline)  # utime + stime
+        own, reaped = int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14])  # u/s time, children's
+        table[int(entry.name)] = (int(fields[1]), own, reaped, cmdline)
     return table
 
 
@@ -39,16 +45,18 @@ def role_of(cmdline: str) -> str:
     return "broker" if "tansu" in cmdline else "other"
 
 
-def ticks_by_role(root: int, table: dict[int, tuple[int, int, str]]) -> dict[int, tuple[str, int]]:
-    """pid -> (role, ticks) for `root` and every process below it."""
+def ticks_by_role(root: int, table: Table) -> dict[int, tuple[str, int]]:
+    """pid -> (role, ticks) for `root` (its own: the workers it reaps count as themselves) and every process
+    below it (with the children each has reaped)."""
     children: dict[int, list[int]] = {}
-    for pid, (ppid, _, _) in table.items():
+    for pid, (ppid, *_) in table.items():
         children.setdefault(ppid, []).append(pid)
     found, todo = {root: ("monitor", table[root][1])}, [(child, None) for child in children.get(root, [])]
     while todo:
         pid, role = todo.pop()
-        role = role or role_of(table[pid][2])
-        found[pid] = (role, table[pid][1])
+        _, own, reaped, cmdline = table[pid]
+        role = role or role_of(cmdline)
+        found[pid] = (role, own + reaped)
         todo += [(child, role) for child in children.get(pid, [])]
     return found
 
@@ -73,8 +81,15 @@ class CpuSampler:
         self.thread.join()
 
     def _loop(self) -> None:
+        parents: dict[int, int] = {}
         while not self.stopping.wait(self.interval_s):
-            self.last.update(ticks_by_role(self.root, process_table()))
+            table = process_table()
+            for pid in [
+                pid for pid in self.last if pid not in table and parents.get(pid) in table.keys() - {self.root}
+            ]:
+                del self.last[pid]  # reaped by a live parent, whose count now holds it (the root's leaves it out)
+            parents.update((pid, table[pid][0]) for pid in table)
+            self.last.update(ticks_by_role(self.root, table))
             totals: dict[str, float] = {}
             for role, ticks in self.last.values():
                 totals[role] = totals.get(role, 0.0) + ticks / TICKS_PER_S

@@ -1,5 +1,6 @@
 """The CPU sampler of `bench pipeline`: roles from command lines, and cores read from real processes."""
 
+import resource
 import subprocess
 import sys
 import time
@@ -15,13 +16,25 @@ def test_roles_from_command_lines():
 
 def test_children_count_towards_their_role():
     table = {
-        10: (1, 5, "python -m pipeline.cli bench pipeline"),
-        11: (10, 7, "python -m pipeline.cli worker reward --config c.yaml"),
-        12: (11, 3, "python -c from multiprocessing.spawn import spawn_main"),  # a scorer
-        13: (10, 2, "tansu broker --storage-engine memory://tansu/"),
-        99: (1, 50, "python -m pipeline.cli worker trainer"),  # not below the root
+        10: (1, 5, 40, "python -m pipeline.cli bench pipeline"),  # 40: workers it reaped, counted as themselves
+        11: (10, 7, 0, "python -m pipeline.cli worker reward --config c.yaml"),
+        12: (11, 3, 6, "python -c from multiprocessing.spawn import spawn_main"),  # a scorer: 6 for its sandboxes
+        13: (10, 2, 0, "tansu broker --storage-engine memory://tansu/"),
+        99: (1, 50, 0, "python -m pipeline.cli worker trainer"),  # not below the root
     }
-    assert ticks_by_role(10, table) == {10: ("monitor", 5), 11: ("reward", 7), 12: ("reward", 3), 13: ("broker", 2)}
+    assert ticks_by_role(10, table) == {10: ("monitor", 5), 11: ("reward", 7), 12: ("reward", 9), 13: ("broker", 2)}
+
+
+def test_short_lived_children_are_counted_through_their_parent():
+    """Processes that start and end between two samples (sandboxed executions) still count, and only once."""
+    burst = "import subprocess, sys\nfor _ in range(40): subprocess.run([sys.executable, '-c', 'sum(range(300000))'])"
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with CpuSampler(interval_s=0.2) as cpu:
+        subprocess.run([sys.executable, "-c", burst, "worker", "reward"])
+        time.sleep(0.5)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    spent = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime  # the burst and its children
+    assert 0.6 * spent < cpu.totals[-1]["reward"] < 1.1 * spent
 
 
 def test_a_busy_child_uses_more_cores_than_a_sleeping_one():
