@@ -177,10 +177,10 @@ def layout_overrides(config: RunConfig, layout: Layout, runs_dir: Path, override
     workers = len(layout.rollout_nodes)
     device = ["model.device=cuda"] if layout.gpus_per_node and config.model.device == "cpu" else []
     decided = [f"runs_dir={runs_dir}", f"rollout.workers={workers}"]
-    # each step asks Slurm for its threads as CPUs: automatic (0) threads become 1, one CPU per step
-    decided += [f"{role}.threads=1" for role in ("trainer", "rollout") if not getattr(config, role).threads]
     if workers > config.broker.partitions:  # each rollout worker consumes partitions of its own
         decided.append(f"broker.partitions={workers}")
+    # each step asks Slurm for its threads as CPUs: automatic (0) threads become 1, one CPU per step
+    decided += [f"{role}.threads=1" for role in ("trainer", "rollout") if not getattr(config, role).threads]
     return [*device, *overrides, *decided]
 
 

@@ -112,6 +112,7 @@ def test_dry_run_prints_the_job_and_submits_nothing(tmp_path):
     assert re.search(r'launch broker .*--nodelist="\$\(nodes 0\)" --gres=none', script)  # the embedded broker, node 0
     assert f"prepare {ROOT}/pipeline/configs/arith.yaml " in script
     assert f"runs_dir={tmp_path}/runs rollout.workers=4 broker.partitions=4" in script
+    assert "broker.partitions=4 trainer.threads=1 rollout.threads=1" in script  # automatic: one CPU per step
     trainer = re.search(r"launch trainer (.*?)--config \"\$CONFIG\"", script, re.S).group(1)
     for part in (
         "--nodes=2 --ntasks=2 --ntasks-per-node=1",
