@@ -22,7 +22,19 @@ from pathlib import Path
 
 import pytest
 
-from workers.reward.sandbox import NOBODY, SOURCE, WORKDIR, Limits, SandboxError, require_bwrap, run_python
+from workers.reward.sandbox import (
+    MODE_VARIABLE,
+    NOBODY,
+    SOURCE,
+    WARM,
+    WORKDIR,
+    Limits,
+    SandboxError,
+    require_bwrap,
+    run_python,
+)
+
+SERVER_PROCESSES = 4  # host processes of an idle warm server: bwrap, the sandbox's pid 1, the server, its next child
 
 pytestmark = pytest.mark.usefixtures("bubblewrap")
 SECRET = "asyncrl-sandbox-secret-7f3a9c51"
@@ -48,12 +60,23 @@ def sandbox_processes() -> set[str]:
     return found
 
 
+@pytest.fixture(autouse=True, params=["cold", "warm"])
+def mode(request, monkeypatch) -> str:
+    """Every attack against both: a bwrap of its own per execution, and a warm server's fork."""
+    monkeypatch.setenv(MODE_VARIABLE, request.param)
+    return request.param
+
+
 @pytest.fixture(autouse=True)
-def nothing_left_behind() -> Iterator[None]:
+def nothing_left_behind(mode) -> Iterator[None]:
+    WARM.close()  # the servers of earlier calls (the `bubblewrap` fixture's check)
     before = sandbox_processes()
     yield
+    servers = len(WARM.idle)  # an idle warm server's processes hold nothing of an execution
+    assert len(sandbox_processes() - before) == SERVER_PROCESSES * servers, "a process outlived its execution"
+    WARM.close()
     assert sandbox_processes() - before == set(), "a process of the sandbox outlived its execution"
-    assert subprocess.run(["true"]).returncode == 0  # the caller can still fork and exec
+    assert subprocess.run(["/bin/true"]).returncode == 0  # the caller can still fork and exec
     flag = ctypes.c_int()
     assert ctypes.CDLL(None).prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0
     assert flag.value == 0, "the caller stayed a child subreaper after its executions"
@@ -306,3 +329,62 @@ print('found', found)
         first_done, second_done = (run.result() for run in runs)
     assert (first_done.status, first_done.stdout) == ("ok", f"{SECRET} [1, 2]\n")
     assert (second_done.status, second_done.stdout) == ("ok", "found []\n")
+
+
+def test_an_execution_leaves_nothing_for_the_next():
+    """Run after run in one warm server (and in two cold sandboxes): the second finds no file, memory, System V
+    IPC object, socket or process of the first, which tried to leave each, and tried to end the server."""
+    secret = "zq" + "".join(chr(ord("a") + n % 25) for n in os.urandom(24)) + "qz"  # [a-y], never in a source
+    first = """\
+import ctypes, os, signal, socket, subprocess, sys
+token = sys.stdin.read()
+open('left', 'w').write(token)
+libc = ctypes.CDLL(None)
+libc.shmat.restype = ctypes.c_void_p
+segment = libc.shmget(0x5EED, 4096, 0o1666)  # IPC_CREAT
+ctypes.memmove(libc.shmat(segment, None, 0), token.encode(), len(token))
+listener = socket.socket(socket.AF_UNIX)
+listener.bind('\\0asyncrl-left')
+listener.listen()
+subprocess.Popen(['sleep', '300'], start_new_session=True)
+for pid in range(1, 4096):
+    if pid != os.getpid():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+print('left', segment >= 0)
+"""
+    second = """\
+import ctypes, os, re, socket, sys
+given = sys.stdin.read()  # empty; the control run gives it the secret, which the search must then find
+libc = ctypes.CDLL(None, use_errno=True)
+found = {'files': os.listdir('.'), 'shm': libc.shmget(0x5EED, 0, 0), 'processes': os.listdir('/proc').count('3')}
+try:
+    socket.socket(socket.AF_UNIX).connect('\\0asyncrl-left')
+    found['socket'] = 'connected'
+except OSError as exc:
+    found['socket'] = type(exc).__name__
+pattern, memory = re.compile(rb'zq[a-y]{24}qz'), open('/proc/self/mem', 'rb')
+found['memory'] = []
+for line in open('/proc/self/maps'):
+    span, perms = line.split()[:2]
+    start, end = (int(n, 16) for n in span.split('-'))
+    if perms.startswith('r'):
+        try:
+            memory.seek(start)
+            found['memory'] += [m.group().decode() for m in pattern.finditer(memory.read(end - start))]
+        except (OSError, OverflowError, ValueError):
+            pass
+print(found)
+"""
+    control = run_python(second, stdin=secret, limits=Limits(wall_s=10))
+    assert control.status == "ok" and secret in control.stdout, control.reason
+    first_done = run_python(first, stdin=secret, limits=Limits(wall_s=10))
+    second_done = run_python(second, limits=Limits(wall_s=10))
+    assert (first_done.status, first_done.stdout) == ("ok", "left True\n"), first_done.reason
+    assert second_done.status == "ok", second_done.reason
+    expected = {"files": [], "shm": -1, "processes": 0, "socket": "ConnectionRefusedError", "memory": []}
+    assert second_done.stdout == f"{expected}\n"
+    if os.environ[MODE_VARIABLE] == "warm":
+        assert [server.served for server in WARM.idle] == [3]  # all three ran in one server, which lived on

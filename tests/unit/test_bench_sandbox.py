@@ -28,8 +28,9 @@ def test_the_bench_counts_executions_per_second_and_writes_its_report(sandbox, t
     out = tmp_path / "sandbox.json"
     assert main(["bench", "sandbox", "--executions", "3", "--parallelism", "1", "2", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    runs = [(row["program"], row["parallelism"], row["executions"]) for row in report["cold"]]
-    assert runs == [("pass", 1, 3), ("pass", 2, 3), ("checker", 1, 3), ("checker", 2, 3)]
-    assert all(row["per_s"] > 0 and row["failures"] == 0 for row in report["cold"])
-    assert report["python_alone"]["executions"] == 3 and report["warm"] is None
-    assert "exec/s" in capsys.readouterr().out
+    for mode in ("cold", "warm"):
+        runs = [(row["program"], row["parallelism"], row["executions"]) for row in report[mode]]
+        assert runs == [("pass", 1, 3), ("pass", 2, 3), ("checker", 1, 3), ("checker", 2, 3)]
+        assert all(row["per_s"] > 0 and row["failures"] == 0 for row in report[mode])
+    assert len(report["warm_over_cold"]) == 4 and report["python_alone"]["executions"] == 3
+    assert "warm/cold" in capsys.readouterr().out

@@ -1,4 +1,5 @@
-"""Untrusted Python (model-written code) in a throw-away bubblewrap sandbox, one per execution.
+"""Untrusted Python (model-written code) in a bubblewrap sandbox: a throw-away bwrap per execution (cold), or a
+fork of a kept bwrap's warm server in fresh namespaces per execution (warm).
 
 `run_python(source, stdin, limits)` starts `bwrap` with every namespace of its own (user, mount, pid,
 network, ipc, uts, cgroup), so the code has no network (not even the host's loopback), sees only its
@@ -19,17 +20,22 @@ fork cannot outlive the execution either: when the program ends bwrap exits, and
 (--die-with-parent). `run_python` returns once that pid 1 is gone, and reaps it (see `Adoption`).
 Needs Linux >= 5.4 (pidfds) and bubblewrap >= 0.8 (--disable-userns, --size).
 
-No warm mode: a warm interpreter would run every execution's code in one sandbox, and giving each its
-own files, processes and user again means redoing bwrap's namespace set-up by hand in a forked child.
-It would save Python's start-up alone (`asyncrl bench sandbox` measures both parts), while a fresh bwrap
-per execution keeps isolation in one well-tested program. Calls are synchronous and independent: call
-it from many threads or processes at once.
+Warm (the default; ASYNCRL_SANDBOX=cold for a bwrap per execution): the same sandbox, one per execution running
+at once in a process and kept for the process's life, holds a Python server (workers/reward/zygote.py) that forks each execution a child in
+fresh mount, pid, ipc, net and uts namespaces of its own, with its own /sandbox, /proc and working directory,
+no capabilities and the same rlimits: every property above holds between executions too, and an execution
+costs a fork instead of bwrap's set-up and Python's start-up (`asyncrl bench sandbox`: about 3-4 times the
+executions per second). What executions of one server share: the user (RLIMIT_NPROC counts the server's three
+processes as well) and the interpreter's memory as it was before any request (the server never reads one).
+Calls are synchronous and independent: call `run_python` from many threads or processes at once.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
+import json
 import math
 import os
 import re
@@ -37,10 +43,13 @@ import select
 import selectors
 import shutil
 import signal
+import struct
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Literal
 
 PACKAGE = "bubblewrap"  # Debian's (and Ubuntu's) package with /usr/bin/bwrap
@@ -48,9 +57,13 @@ NOBODY = 65534  # the code's user inside the sandbox, and on the host when the c
 PYTHONS = ("/usr/local/bin/python3", "/usr/bin/python3")  # the interpreter must live in the /usr the sandbox sees
 PRLIMIT = "/usr/bin/prlimit"  # util-linux: sets the rlimits, then execs Python
 SOURCE = "/sandbox/main.py"  # the program, read-only
+SERVER = "/sandbox/server.py"  # the warm server (workers/reward/zygote.py), hidden from each execution
+MODE_VARIABLE = "ASYNCRL_SANDBOX"  # 'cold': a bwrap of its own per execution; else warm (see `Zygote`)
 WORKDIR = "/sandbox/work"  # the program's working directory and HOME: the only writable place
 SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # links into /usr, or directories
 READ_CHUNK = 65536
+ZYGOTE_GRACE_S = 5.0  # past an execution's wall-clock limit, before a silent warm server is given up
+FRAME = struct.Struct(">I")  # the length of a warm server's frame (workers/reward/zygote.py)
 KILL_WAIT_S = 10.0  # for the kernel to empty a killed sandbox's pid namespace (milliseconds in practice)
 PR_SET_CHILD_SUBREAPER = 36  # prctl option, linux/prctl.h
 LIBC = ctypes.CDLL(None, use_errno=True)
@@ -113,27 +126,36 @@ def find_python() -> str:
     raise SandboxError(f"no Python for the sandbox: none of {', '.join(PYTHONS)} (apt-get install python3)")
 
 
-def run_python(source: str, stdin: str = "", limits: Limits = Limits()) -> Execution:
+def run_python(source: str, stdin: str = "", limits: Limits = Limits(), warm: bool | None = None) -> Execution:
     """Run `source` as a Python program with `stdin` in a fresh sandbox; always returns, whatever the code does,
-    once no process of the sandbox is left. Raises SandboxError only when the sandbox itself cannot start."""
+    once no process of the execution is left. `warm` (default: the environment's ASYNCRL_SANDBOX, warm unless
+    it says cold) runs it in a child of a warm server (see `Zygote`) instead of a bwrap of its own. Raises
+    SandboxError only when the sandbox itself cannot start."""
+    if warm if warm is not None else os.environ.get(MODE_VARIABLE, "warm") != "cold":
+        return WARM.run(source, stdin, limits)
     bwrap, python = find_bwrap(), find_python()
     started = time.monotonic()
     with ADOPTION, Sandbox(bwrap, python, source, limits) as sandbox:
         stdout, stderr, ended = sandbox.communicate(stdin.encode())
-    seconds = time.monotonic() - started
     exit_code = None if ended else sandbox.process.returncode
     # bwrap's set-up failed (a program that writes such a line itself and exits 1 fails only its own execution)
     if exit_code == 1 and stderr.startswith(b"bwrap: ") and not stdout:
         raise SandboxError(f"{first_line(stderr)} (is the package {PACKAGE} working here?)")
+    return execution(exit_code, stdout, stderr, ended, limits, started)
+
+
+def execution(
+    exit_code: int | None, stdout: bytes, stderr: bytes, ended: str | None, limits: Limits, started: float
+) -> Execution:
     status, reason = verdict(exit_code, stderr, ended, limits)
-    return Execution(status, exit_code, text(stdout), text(stderr), reason, round(seconds, 4))
+    return Execution(status, exit_code, text(stdout), text(stderr), reason, round(time.monotonic() - started, 4))
 
 
 class Sandbox:
     """One bwrap process and its pipes. Leaving the `with` kills what still runs and returns once the sandbox's
     pid 1 is gone (the kernel empties a pid namespace before its pid 1 counts as exited) and reaped here."""
 
-    def __init__(self, bwrap: str, python: str, source: str, limits: Limits):
+    def __init__(self, bwrap: str, python: str, source: str, limits: Limits, warm: bool = False):
         self.limits, self.info, self.pidfd = limits, bytearray(), None
         program = os.memfd_create("sandbox-source")  # bwrap copies it into the sandbox before the code starts
         self.info_fd, info_write = os.pipe()  # bwrap writes the host pid of the sandbox's pid 1 here
@@ -141,7 +163,8 @@ class Sandbox:
         try:
             os.write(program, source.encode())
             os.lseek(program, 0, os.SEEK_SET)
-            self.process = start(bwrap_command(bwrap, python, limits, program, info_write), (program, info_write))
+            command = bwrap_command(bwrap, python, limits, program, info_write, warm)
+            self.process = start(command, (program, info_write))
         except BaseException:
             os.close(self.info_fd)
             raise
@@ -235,6 +258,114 @@ class Sandbox:
         return bytes(stdout), bytes(stderr), None
 
 
+class Zygote:
+    """A warm server (workers/reward/zygote.py) in a sandbox built as a cold one is, with CAP_SYS_ADMIN in its own
+    user namespace: for each execution it forks a child that takes fresh mount, pid, ipc, net and uts namespaces,
+    its own /sandbox and working directory, and drops every capability before the program runs. An execution
+    costs a fork instead of bwrap's set-up and Python's start-up; one at a time per server."""
+
+    def __init__(self, bwrap: str, python: str):
+        server = (Path(__file__).parent / "zygote.py").read_text()
+        self.sandbox = Sandbox(bwrap, python, server, Limits(), warm=True)
+        self.stdin, self.stdout = self.sandbox.process.stdin.fileno(), self.sandbox.process.stdout.fileno()
+        self.served = 0
+
+    def run(self, source: str, stdin: str, limits: Limits) -> tuple[int | None, bytes, bytes, str | None]:
+        """(exit code, stdout, stderr, ended) as `Sandbox.communicate` and bwrap give them; ZygoteLost when the
+        server does not answer in time (the caller then closes it)."""
+        program, data = source.encode(), stdin.encode()
+        header = {**asdict(limits), "cpu": max(1, math.ceil(limits.cpu_s)), "sizes": [len(program), len(data)]}
+        encoded = json.dumps(header).encode()
+        try:
+            write_all(self.stdin, b"".join([FRAME.pack(len(encoded)), encoded, program, data]))
+        except OSError as exc:
+            raise ZygoteLost(f"the warm sandbox took no request: {exc}") from exc
+        deadline = time.monotonic() + limits.wall_s + ZYGOTE_GRACE_S
+        answer = json.loads(self.read(FRAME.unpack(self.read(FRAME.size, deadline))[0], deadline))
+        stdout, stderr = (self.read(size, deadline) for size in answer["sizes"])
+        self.read(1, deadline)  # the server's word that the execution's last process is gone
+        self.served += 1
+        return answer["exit_code"], stdout, stderr, answer["ended"]
+
+    def read(self, size: int, deadline: float) -> bytes:
+        data = bytearray()
+        while len(data) < size:
+            if not select.select([self.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                raise ZygoteLost("the warm sandbox did not answer in time")
+            if not (chunk := os.read(self.stdout, size - len(data))):
+                raise ZygoteLost(f"the warm sandbox ended: {self.error()}")
+            data += chunk
+        return bytes(data)
+
+    def error(self) -> str:
+        """The server's last words (its stderr), without blocking."""
+        stderr = self.sandbox.process.stderr.fileno()
+        os.set_blocking(stderr, False)
+        with contextlib.suppress(BlockingIOError):
+            return first_line(os.read(stderr, READ_CHUNK), last=True) or "no reason given"
+        return "no reason given"
+
+    def close(self) -> None:
+        """End the server (and with it any execution) and return once none of its processes is left."""
+        with ADOPTION:
+            self.sandbox.__exit__()
+
+
+class ZygoteLost(RuntimeError):
+    """A warm server that stopped answering: closed, and the execution reported as killed."""
+
+
+class WarmPool:
+    """This process's warm servers: one per execution running at once, kept between executions. They start in a
+    thread of their own that lives as long as the process: bwrap's --die-with-parent follows the thread that
+    started it, and the threads calling `run` may be short-lived. A forked child starts a pool of its own."""
+
+    def __init__(self) -> None:
+        self.lock, self.idle, self.starter = threading.Lock(), [], None
+
+    def run(self, source: str, stdin: str, limits: Limits) -> Execution:
+        started = time.monotonic()
+        zygote = self.take()
+        try:
+            exit_code, stdout, stderr, ended = zygote.run(source, stdin, limits)
+        except ZygoteLost as lost:
+            zygote.close()
+            if not zygote.served:  # its first request: the host cannot run a warm sandbox
+                raise SandboxError(f"{lost} (is the package {PACKAGE} working here? ASYNCRL_SANDBOX=cold)") from None
+            return Execution("killed", None, "", "", str(lost), round(time.monotonic() - started, 4))
+        except BaseException:
+            zygote.close()
+            raise
+        with self.lock:
+            self.idle.append(zygote)
+        return execution(exit_code, stdout, stderr, ended, limits, started)
+
+    def take(self) -> Zygote:
+        """An idle server that still runs, or a new one."""
+        with self.lock:
+            while self.idle:
+                zygote = self.idle.pop()
+                if zygote.sandbox.process.poll() is None:
+                    return zygote
+                zygote.close()  # ended meanwhile (killed from outside): reaped, and replaced
+            if self.starter is None:
+                self.starter = ThreadPoolExecutor(1, thread_name_prefix="sandbox-starter")
+        return self.starter.submit(Zygote, find_bwrap(), find_python()).result()
+
+    def close(self) -> None:
+        """End every idle server (`run`s under way keep theirs and put it back)."""
+        with self.lock:
+            idle, self.idle = self.idle, []
+        for zygote in idle:
+            zygote.close()
+
+
+def write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 def feed(fd: int, pending: memoryview) -> memoryview:
     """Write what the pipe takes of `pending`; what is left (nothing once the program closed its stdin)."""
     try:
@@ -274,7 +405,10 @@ def subreaper(on: bool) -> None:
 
 
 ADOPTION = Adoption()
+WARM = WarmPool()
 os.register_at_fork(after_in_child=ADOPTION.__init__)  # a forked child is no subreaper, and runs nothing yet
+os.register_at_fork(after_in_child=WARM.__init__)  # nor does it share its parent's servers
+atexit.register(WARM.close)
 
 
 def system_binds() -> list[str]:
@@ -288,20 +422,25 @@ def system_binds() -> list[str]:
     return [*arguments, "--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
 
 
-def bwrap_command(bwrap: str, python: str, limits: Limits, program: int, info: int) -> list[str]:
-    """The bwrap command line: namespaces, file system, environment, then prlimit and Python."""
+def bwrap_command(bwrap: str, python: str, limits: Limits, program: int, info: int, warm: bool = False) -> list[str]:
+    """The bwrap command line: namespaces, file system, environment, then prlimit and Python; or, `warm`, the warm
+    server (workers/reward/zygote.py) as `program`, with the one capability it needs to isolate executions."""
     mb = 1024 * 1024
     cpu = max(1, math.ceil(limits.cpu_s))
+    files = ["--dir", WORKDIR] if warm else ["--perms", "0700", "--size", str(limits.file_mb * mb), "--tmpfs", WORKDIR]
     sandbox = [
         *("--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session"),
-        *("--uid", str(NOBODY), "--gid", str(NOBODY), "--hostname", "sandbox", "--cap-drop", "ALL"),
+        *("--uid", str(NOBODY), "--gid", str(NOBODY), "--hostname", "sandbox"),
+        *(("--cap-add", "CAP_SYS_ADMIN") if warm else ("--cap-drop", "ALL")),
         *system_binds(),
         *("--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev"),  # device nodes work; no files on its tmpfs
-        *("--perms", "0444", "--ro-bind-data", str(program), SOURCE),
-        *("--perms", "0700", "--size", str(limits.file_mb * mb), "--tmpfs", WORKDIR),
+        *("--perms", "0444", "--ro-bind-data", str(program), SERVER if warm else SOURCE),
+        *files,
         *("--remount-ro", "/", "--chdir", WORKDIR, "--clearenv", "--info-fd", str(info)),
         *("--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", WORKDIR),
     ]
+    if warm:
+        return [bwrap, *sandbox, "--", python, "-I", SERVER]
     rlimits = [
         f"--cpu={cpu}:{cpu + 1}",  # SIGXCPU at the soft limit, SIGKILL a second later
         f"--as={limits.memory_mb * mb}",
