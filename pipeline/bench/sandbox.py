@@ -117,9 +117,8 @@ def machine(bwrap: str) -> dict:
 
 
 def table(report: dict) -> str:
-    lines = [
-        f"{'mode':<5} {'program':<8} {'parallel':>8} {'exec/s':>8} {'p50 ms':>8} {'p90 ms':>8} {'CPU ms':>8} {'failed':>6}"
-    ]
+    columns = ("parallel", "exec/s", "p50 ms", "p90 ms", "CPU ms")
+    lines = [f"{'mode':<5} {'program':<8} " + " ".join(f"{column:>8}" for column in columns) + f" {'failed':>6}"]
     for mode in MODES:
         for row in report[mode]:
             lines.append(

@@ -21,12 +21,13 @@ fork cannot outlive the execution either: when the program ends bwrap exits, and
 Needs Linux >= 5.4 (pidfds) and bubblewrap >= 0.8 (--disable-userns, --size).
 
 Warm (the default; ASYNCRL_SANDBOX=cold for a bwrap per execution): the same sandbox, one per execution running
-at once in a process and kept for the process's life, holds a Python server (workers/reward/zygote.py) that forks each execution a child in
-fresh mount, pid, ipc, net and uts namespaces of its own, with its own /sandbox, /proc and working directory,
-no capabilities and the same rlimits: every property above holds between executions too, and an execution
-costs a fork instead of bwrap's set-up and Python's start-up (`asyncrl bench sandbox`: about 3-4 times the
-executions per second). What executions of one server share: the user (RLIMIT_NPROC counts the server's three
-processes as well) and the interpreter's memory as it was before any request (the server never reads one).
+at once in a process and kept for the process's life, holds a Python server (workers/reward/zygote.py) that
+forks each execution a child in fresh mount, pid, ipc, net and uts namespaces of its own, with its own
+/sandbox, /proc and working directory, no capabilities and the same rlimits: every property above holds
+between executions too, and an execution costs a fork instead of bwrap's set-up and Python's start-up
+(`asyncrl bench sandbox`: about 3-4 times the executions per second). What executions of one server share:
+the user (RLIMIT_NPROC counts the server's three processes as well) and the interpreter's memory as it was
+before any request (the server never reads one).
 Calls are synchronous and independent: call `run_python` from many threads or processes at once.
 """
 
@@ -43,7 +44,6 @@ import select
 import selectors
 import shutil
 import signal
-import struct
 import subprocess
 import threading
 import time
@@ -51,6 +51,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
+
+from workers.reward.zygote import HEADER as FRAME
+from workers.reward.zygote import feed, write_frame
 
 PACKAGE = "bubblewrap"  # Debian's (and Ubuntu's) package with /usr/bin/bwrap
 NOBODY = 65534  # the code's user inside the sandbox, and on the host when the caller is root
@@ -63,7 +66,6 @@ WORKDIR = "/sandbox/work"  # the program's working directory and HOME: the only 
 SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # links into /usr, or directories
 READ_CHUNK = 65536
 ZYGOTE_GRACE_S = 5.0  # past an execution's wall-clock limit, before a silent warm server is given up
-FRAME = struct.Struct(">I")  # the length of a warm server's frame (workers/reward/zygote.py)
 KILL_WAIT_S = 10.0  # for the kernel to empty a killed sandbox's pid namespace (milliseconds in practice)
 PR_SET_CHILD_SUBREAPER = 36  # prctl option, linux/prctl.h
 LIBC = ctypes.CDLL(None, use_errno=True)
@@ -273,15 +275,13 @@ class Zygote:
     def run(self, source: str, stdin: str, limits: Limits) -> tuple[int | None, bytes, bytes, str | None]:
         """(exit code, stdout, stderr, ended) as `Sandbox.communicate` and bwrap give them; ZygoteLost when the
         server does not answer in time (the caller then closes it)."""
-        program, data = source.encode(), stdin.encode()
-        header = {**asdict(limits), "cpu": max(1, math.ceil(limits.cpu_s)), "sizes": [len(program), len(data)]}
-        encoded = json.dumps(header).encode()
+        header = {**asdict(limits), "cpu": max(1, math.ceil(limits.cpu_s))}
         try:
-            write_all(self.stdin, b"".join([FRAME.pack(len(encoded)), encoded, program, data]))
+            write_frame(self.stdin, header, source.encode(), stdin.encode())
         except OSError as exc:
             raise ZygoteLost(f"the warm sandbox took no request: {exc}") from exc
         deadline = time.monotonic() + limits.wall_s + ZYGOTE_GRACE_S
-        answer = json.loads(self.read(FRAME.unpack(self.read(FRAME.size, deadline))[0], deadline))
+        answer = json.loads(self.read(FRAME.unpack(self.read(FRAME.size, deadline))[0], deadline))  # as read_frame
         stdout, stderr = (self.read(size, deadline) for size in answer["sizes"])
         self.read(1, deadline)  # the server's word that the execution's last process is gone
         self.served += 1
@@ -358,22 +358,6 @@ class WarmPool:
             idle, self.idle = self.idle, []
         for zygote in idle:
             zygote.close()
-
-
-def write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def feed(fd: int, pending: memoryview) -> memoryview:
-    """Write what the pipe takes of `pending`; what is left (nothing once the program closed its stdin)."""
-    try:
-        return pending[os.write(fd, pending[:READ_CHUNK]) :]
-    except BlockingIOError:
-        return pending
-    except BrokenPipeError:
-        return pending[:0]
 
 
 class Adoption:

@@ -22,6 +22,7 @@ nothing of it outlives it. What they share: the user, whose process count (RLIMI
 server's three processes, and the warm interpreter's memory as it was before the first request.
 
 Frames both ways: 4-byte big-endian length, a JSON header, then the raw byte strings it gives the sizes of.
+The host side imports `feed` and `write_frame` from here: one definition for both sides of the pipes.
 """
 
 import ast
@@ -242,6 +243,7 @@ def communicate(stdin_fd: int, stdout_fd: int, stderr_fd: int, stdin: bytes, hea
 
 
 def feed(fd: int, pending: memoryview) -> memoryview:
+    """Write what the pipe takes of `pending`; what is left (nothing once the reader closed its end)."""
     try:
         return pending[os.write(fd, pending[:READ_CHUNK]) :]
     except BlockingIOError:
