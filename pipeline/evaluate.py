@@ -150,6 +150,7 @@ class EvalSettings:
     seed: int = 0  # sampling
     max_batch: int = 64  # sequences the engine decodes together
     workflow: str = ""  # rollout.workflow: calls are answered as in the run's rollouts ('' = one turn)
+    threads: int = 0  # torch threads of the thread that evaluates (OpenMP's count is per thread); 0: as it is
 
 
 @dataclass
@@ -214,9 +215,10 @@ class Evaluator:
             seed=config.seed,
             max_batch=config.rollout.max_batch,
             workflow=config.rollout.workflow,
+            # the launcher's own process shares the cores with the workers: as few threads as a rollout worker
+            # (tiny matmuls on more threads than free cores spin: 15x slower measured on 2 busy cores)
+            threads=config.rollout.threads,
         )
-        # the launcher's own process shares the cores with the workers: as few threads as a rollout worker
-        # (tiny matmuls on more threads than free cores spin: 15x slower measured on 2 busy cores)
         torch.set_num_threads(config.rollout.threads)
         model = load_causal_lm(config.model.path, config.model.dtype, config.model.device)
         tokenizer = AutoTokenizer.from_pretrained(config.model.path)
@@ -235,6 +237,8 @@ class Evaluator:
             except FileNotFoundError:  # the run keeps only its newest versions
                 return None
         s = self.settings
+        if s.threads:
+            torch.set_num_threads(s.threads)
         greedy_params = SamplingParams(temperature=0.0, max_new_tokens=s.max_new_tokens, stop_token_ids=self._stop())
         sample_params = SamplingParams(s.temperature, max_new_tokens=s.max_new_tokens, stop_token_ids=self._stop())
         engine = Engine(self.model, max_batch=s.max_batch, seed=s.seed)

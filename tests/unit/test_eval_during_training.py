@@ -95,3 +95,29 @@ def test_a_dataset_file_without_eval_source_has_no_evaluation(demo_model_dir: Pa
     config = own_jsonl_config(demo_model_dir, tmp_path, "data.eval_source=")
     assert rows_for_config(config) is None and Evaluator.for_config(config) is None
     assert "data.eval_source=" in NO_EVAL_SET
+
+
+def test_evaluation_runs_at_the_lowest_priority_with_the_run_s_threads(demo_model_dir: Path, tmp_path: Path) -> None:
+    """The evaluator scores in a thread of its own under SCHED_IDLE, with a rollout worker's torch threads; the
+    launcher's thread keeps its policy (the workers it restarts inherit that one)."""
+    import os
+
+    import torch
+
+    config = own_jsonl_config(demo_model_dir, tmp_path)
+    run_dir = runtime.run_dir(config)
+    run_dir.mkdir()
+    evaluator = Evaluator.for_config(config)
+    seen = {}
+    evaluate = evaluator.evaluate
+
+    def observed(weights=None, progress=False):
+        result = evaluate(weights, progress)
+        seen.update(policy=os.sched_getscheduler(0), threads=torch.get_num_threads())
+        return result
+
+    evaluator.evaluate = observed
+    policy = os.sched_getscheduler(0)
+    assert monitor.evaluate_version(config, run_dir, evaluator, 0)["version"] == 0
+    assert seen == {"policy": os.SCHED_IDLE, "threads": config.rollout.threads}
+    assert os.sched_getscheduler(0) == policy != os.SCHED_IDLE
