@@ -124,3 +124,22 @@ def test_positive_advantage_makes_its_tokens_more_likely(model):
             StepSettings(decoupled=False, minibatches=1, grad_clip=1.0, temperature=1.0, loss=PPO),
         )
     assert token_logprobs(model, batch, 1.0)[0, 2:].sum().item() > before
+
+
+@pytest.mark.parametrize(
+    ("advantages", "minibatches", "skipped"),
+    [([1.0, 0.0, 0.25], 1, 1), ([0.0, 0.0, 0.0], 1, 2), ([0.0, 0.0, 0.5], 2, 1)],
+    ids=["one row", "every row (the shortest runs)", "a whole minibatch"],
+)
+def test_rows_without_advantage_are_skipped_and_the_update_is_unchanged(model, advantages, minibatches, skipped):
+    """A row with zero advantage adds exactly nothing to the gradient: its passes are skipped, and the weights
+    after the step are those of the textbook step over every row (AdamW steps even on an all-zero minibatch)."""
+    batch = collate(SEQS, advantages, pad_id=0)
+    expected = reference_step(copy.deepcopy(model), batch, minibatches)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    settings = StepSettings(decoupled=True, minibatches=minibatches, grad_clip=1.0, temperature=1.0, loss=PPO)
+    stats = train_step(model, optimizer, batch, settings)
+    for (name, got), want in zip(model.named_parameters(), expected.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
+    assert stats["zero_advantage_rows"] == skipped and stats["microbatches"] == 1  # per minibatch
+    assert 0.9 < stats["ratio_mean"] < 1.1  # a mean over the tokens that ran, not diluted by the skipped ones

@@ -246,8 +246,9 @@ def train_step(
     shares = RankShare(batch, settings.split, ranks)
     lengths = shares.lengths
     chunks = [chunk.tolist() for chunk in torch.arange(len(lengths)).chunk(settings.minibatches)]
+    trained = [rows_that_train(batch, chunk, lengths, settings.loss) for chunk in chunks]
     mine = [  # this rank's rows of each minibatch
-        [chunk[i] for i in balance_rows([lengths[r] for r in chunk], ranks.world)[ranks.rank]] for chunk in chunks
+        [rows[i] for i in balance_rows([lengths[r] for r in rows], ranks.world)[ranks.rank]] for rows in trained
     ]
     clock = clock or PhaseClock()
     prox = arrival_logprobs(model, batch, shares, mine[1:], settings)  # [N, T-1]
@@ -270,7 +271,7 @@ def train_step(
         )
         if own_prox:
             prox[indices[: len(rows)]] = logp[: len(rows)]
-        gathered = combine(ranks.gather(stats), math.fsum)
+        gathered = per_trained_token(combine(ranks.gather(stats), math.fsum), batch, chunk, trained[index])
         clock.lap("time_forward_backward")
         grad_norm, reason = apply_update(model, optimizer, gathered["loss"], settings.grad_clip)
         clock.lap("time_optimizer")
@@ -278,7 +279,30 @@ def train_step(
         parts.append({**gathered, "grad_norm": grad_norm})
     own = [r for rows in mine for r in rows]
     stats = {**combine(parts, statistics.fmean), "prox_behav_abs_diff": prox_behav_abs_diff(batch, prox, own, ranks)}
+    stats["zero_advantage_rows"] = len(lengths) - sum(map(len, trained))  # rows whose pass was skipped (or kept)
     return {**stats, "skipped_updates": len(skipped), **({"skip_reason": "; ".join(skipped)} if skipped else {})}
+
+
+TOKEN_MEANS = ("entropy", "clip_fraction", "ratio_mean", "behaviour_weight_mean", "behaviour_weight_over_cap", "kl_ref")
+
+
+def rows_that_train(batch: TrainBatch, chunk: list[int], lengths: list[int], loss: LossSettings) -> list[int]:
+    """The rows of a minibatch whose gradient is not exactly zero, the only ones worth a forward and backward:
+    those with a non-zero advantage on a trained token (a group whose rewards are all equal has none), or all
+    of them when a KL penalty pulls on every row. The minibatch's totals still count every row, so the loss and
+    the gradient are those of the whole minibatch. When no row trains, its shortest one runs all the same: the
+    update then steps AdamW on a zero gradient (decay, moments) exactly as the whole minibatch would."""
+    if loss.kl_coef > 0:
+        return chunk
+    rows = [r for r in chunk if ((batch.advantages[r] != 0) & (batch.loss_mask[r] > 0)).any()]
+    return rows or [min(chunk, key=lambda r: (lengths[r], r))]
+
+
+def per_trained_token(stats: dict[str, float], batch: TrainBatch, chunk: list[int], rows: list[int]) -> dict:
+    """A minibatch's token-mean stats over the tokens of the rows that ran (they come divided by the tokens of
+    all its rows, the loss's denominator); the loss itself stays that of the whole minibatch."""
+    scale = batch_totals(batch.loss_mask[chunk])[0] / batch_totals(batch.loss_mask[rows])[0]
+    return {key: value * scale if key in TOKEN_MEANS else value for key, value in stats.items()}
 
 
 class PhaseClock:
