@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import platform
 import re
 import resource
 import socket
@@ -34,6 +35,7 @@ from workers.reward.sandbox import (
     run_python,
 )
 
+ADD_KEY = {"x86_64": 248, "aarch64": 217}  # the add_key call, which the sandbox's seccomp filter refuses
 SERVER_PROCESSES = 4  # host processes of an idle warm server: bwrap, the sandbox's pid 1, the server, its next child
 
 pytestmark = pytest.mark.usefixtures("bubblewrap")
@@ -331,18 +333,17 @@ print('found', found)
     assert (second_done.status, second_done.stdout) == ("ok", "found []\n")
 
 
-def test_an_execution_leaves_nothing_for_the_next():
-    """Run after run in one warm server (and in two cold sandboxes): the second finds no file, memory, System V
-    IPC object, socket or process of the first, which tried to leave each, and tried to end the server."""
-    secret = "zq" + "".join(chr(ord("a") + n % 25) for n in os.urandom(24)) + "qz"  # [a-y], never in a source
-    first = """\
+LEAVER = """\
 import ctypes, os, signal, socket, subprocess, sys
 token = sys.stdin.read()
 open('left', 'w').write(token)
-libc = ctypes.CDLL(None)
+libc = ctypes.CDLL(None, use_errno=True)
 libc.shmat.restype = ctypes.c_void_p
 segment = libc.shmget(0x5EED, 4096, 0o1666)  # IPC_CREAT
 ctypes.memmove(libc.shmat(segment, None, 0), token.encode(), len(token))
+libc.syscall.restype = ctypes.c_long
+key = libc.syscall(ADD_KEY, b'user', b'asyncrl-left', token.encode(), len(token), -4)  # to the user keyring
+print('key', key, ctypes.get_errno())
 listener = socket.socket(socket.AF_UNIX)
 listener.bind('\\0asyncrl-left')
 listener.listen()
@@ -355,7 +356,7 @@ for pid in range(1, 4096):
             pass
 print('left', segment >= 0)
 """
-    second = """\
+FINDER = """\
 import ctypes, os, re, socket, sys
 given = sys.stdin.read()  # empty; the control run gives it the secret, which the search must then find
 libc = ctypes.CDLL(None, use_errno=True)
@@ -378,13 +379,39 @@ for line in open('/proc/self/maps'):
             pass
 print(found)
 """
-    control = run_python(second, stdin=secret, limits=Limits(wall_s=10))
+
+
+def test_an_execution_leaves_nothing_for_the_next():
+    """Run after run in one warm server (and in two cold sandboxes): the second finds no file, memory, System V
+    IPC object, socket or process of the first, which tried to leave each, and tried to end the server."""
+    secret = "zq" + "".join(chr(ord("a") + n % 25) for n in os.urandom(24)) + "qz"  # [a-y], never in a source
+    control = run_python(FINDER, stdin=secret, limits=Limits(wall_s=10))
     assert control.status == "ok" and secret in control.stdout, control.reason
-    first_done = run_python(first, stdin=secret, limits=Limits(wall_s=10))
-    second_done = run_python(second, limits=Limits(wall_s=10))
-    assert (first_done.status, first_done.stdout) == ("ok", "left True\n"), first_done.reason
+    leaver = LEAVER.replace("ADD_KEY", str(ADD_KEY[platform.machine()]))
+    first_done = run_python(leaver, stdin=secret, limits=Limits(wall_s=10))
+    second_done = run_python(FINDER, limits=Limits(wall_s=10))
+    assert (first_done.status, first_done.stdout) == ("ok", "key -1 38\nleft True\n"), first_done.reason  # ENOSYS
     assert second_done.status == "ok", second_done.reason
     expected = {"files": [], "shm": -1, "processes": 0, "socket": "ConnectionRefusedError", "memory": []}
     assert second_done.stdout == f"{expected}\n"
     if os.environ[MODE_VARIABLE] == "warm":
         assert [server.served for server in WARM.idle] == [3]  # all three ran in one server, which lived on
+
+
+def test_a_program_that_stops_reading_its_input_ends_normally():
+    """Its stdin's writer meets a closed pipe (EPIPE), which ends neither the sandbox nor a warm server."""
+    done = run_python("print(input())", stdin="first\n" + "y" * 300_000, limits=FAST)
+    assert (done.status, done.stdout) == ("ok", "first\n"), done.reason
+    assert run_python("print('next')").stdout == "next\n"
+
+
+def test_closing_both_outputs_does_not_escape_the_wall_clock():
+    done = run_python("import os, time\nos.close(1)\nos.close(2)\ntime.sleep(30)", limits=Limits(wall_s=1))
+    assert (done.status, done.reason) == ("timeout", "ran past the wall-clock limit of 1 s and was killed")
+    assert done.seconds < 3
+
+
+def test_signalling_its_own_pid_1_ends_nothing_but_its_own_execution():
+    done = run_python("import os, signal\nfor s in (signal.SIGINT, signal.SIGTERM):\n    os.kill(1, s)\nprint('here')")
+    assert (done.status, done.stdout) == ("ok", "here\n")
+    assert run_python("print('next')").stdout == "next\n"

@@ -69,3 +69,17 @@ def test_a_stopped_server_costs_its_execution_alone():
     assert 1 < time.monotonic() - started < 15
     assert WARM.idle == [] and server.sandbox.process.poll() is not None
     assert run_python("print(3)", warm=True).stdout == "3\n"
+
+
+def test_a_server_that_dies_leaves_no_zombie():
+    """The server's own death ends its bwrap, whose pid 1 is orphaned: this process, a child subreaper while it
+    has servers, reaps it instead of the host's init (which in a container may reap nothing)."""
+    assert run_python("pass", warm=True).status == "ok"
+    (server,) = WARM.idle
+    pids = [server.sandbox.process.pid, *descendants(server.sandbox.process.pid)]
+    os.kill(pids[2], signal.SIGKILL)  # bwrap, the sandbox's pid 1, the server
+    server.sandbox.process.wait()
+    assert run_python("print(4)", warm=True).stdout == "4\n"  # a new server
+    WARM.close()
+    time.sleep(0.1)
+    assert [pid for pid in pids if Path(f"/proc/{pid}").exists()] == []

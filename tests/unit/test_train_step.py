@@ -100,16 +100,20 @@ def reference_step(model, batch, minibatches):
     return model
 
 
-@pytest.mark.parametrize("minibatches", [1, 2])
-def test_update_equals_the_textbook_order(model, minibatches):
-    batch = collate(SEQS, ADV, pad_id=0)
+def step_like_the_textbook(model, batch, minibatches) -> dict:
+    """train_step's stats, once its weights are checked against `reference_step`'s from the same start."""
     expected = reference_step(copy.deepcopy(model), batch, minibatches)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     settings = StepSettings(decoupled=True, minibatches=minibatches, grad_clip=1.0, temperature=1.0, loss=PPO)
     stats = train_step(model, optimizer, batch, settings)
     for (name, got), want in zip(model.named_parameters(), expected.parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
-    assert stats["grad_norm"] > 0
+    return stats
+
+
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_update_equals_the_textbook_order(model, minibatches):
+    assert step_like_the_textbook(model, collate(SEQS, ADV, pad_id=0), minibatches)["grad_norm"] > 0
 
 
 def test_positive_advantage_makes_its_tokens_more_likely(model):
@@ -134,12 +138,6 @@ def test_positive_advantage_makes_its_tokens_more_likely(model):
 def test_rows_without_advantage_are_skipped_and_the_update_is_unchanged(model, advantages, minibatches, skipped):
     """A row with zero advantage adds exactly nothing to the gradient: its passes are skipped, and the weights
     after the step are those of the textbook step over every row (AdamW steps even on an all-zero minibatch)."""
-    batch = collate(SEQS, advantages, pad_id=0)
-    expected = reference_step(copy.deepcopy(model), batch, minibatches)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    settings = StepSettings(decoupled=True, minibatches=minibatches, grad_clip=1.0, temperature=1.0, loss=PPO)
-    stats = train_step(model, optimizer, batch, settings)
-    for (name, got), want in zip(model.named_parameters(), expected.parameters(), strict=True):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)
+    stats = step_like_the_textbook(model, collate(SEQS, advantages, pad_id=0), minibatches)
     assert stats["zero_advantage_rows"] == skipped and stats["microbatches"] == 1  # per minibatch
     assert 0.9 < stats["ratio_mean"] < 1.1  # a mean over the tokens that ran, not diluted by the skipped ones

@@ -17,7 +17,8 @@ Python starts; the process count is per user namespace (Linux >= 5.14), so per e
 reads stdout and stderr up to `limits.output_bytes` each, and at the wall-clock limit or on overflow
 kills the sandbox's pid 1, which takes every process of its pid namespace with it. A daemon or double
 fork cannot outlive the execution either: when the program ends bwrap exits, and its pid 1 dies with it
-(--die-with-parent). `run_python` returns once that pid 1 is gone, and reaps it (see `Adoption`).
+(--die-with-parent). `run_python` returns once that pid 1 is gone, and reaps it (see `Adoption`). A seccomp
+filter refuses the kernel keyring's calls and other ABIs' (`seccomp_filter`).
 Needs Linux >= 5.4 (pidfds) and bubblewrap >= 0.8 (--disable-userns, --size).
 
 Warm (the default; ASYNCRL_SANDBOX=cold for a bwrap per execution): the same sandbox, one per execution running
@@ -44,6 +45,7 @@ import select
 import selectors
 import shutil
 import signal
+import struct
 import subprocess
 import threading
 import time
@@ -71,6 +73,11 @@ PR_SET_CHILD_SUBREAPER = 36  # prctl option, linux/prctl.h
 LIBC = ctypes.CDLL(None, use_errno=True)
 CHILD_PID = re.compile(rb'"child-pid": *([0-9]+)[^0-9]')  # in what bwrap writes to --info-fd
 Status = Literal["ok", "error", "timeout", "memory", "output_limit", "killed"]
+SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
+BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x06
+SOCK_FILTER = struct.Struct("=HBBI")  # code, jump if true, jump if false, k
+# machine -> (AUDIT_ARCH_*, the numbers of add_key, request_key, keyctl)
+SECCOMP_ARCHES = {"x86_64": (0xC000003E, (248, 249, 250)), "aarch64": (0xC00000B7, (217, 218, 219))}
 
 
 class SandboxError(RuntimeError):
@@ -133,7 +140,7 @@ def run_python(source: str, stdin: str = "", limits: Limits = Limits(), warm: bo
     once no process of the execution is left. `warm` (default: the environment's ASYNCRL_SANDBOX, warm unless
     it says cold) runs it in a child of a warm server (see `Zygote`) instead of a bwrap of its own. Raises
     SandboxError only when the sandbox itself cannot start."""
-    if warm if warm is not None else os.environ.get(MODE_VARIABLE, "warm") != "cold":
+    if (warm if warm is not None else os.environ.get(MODE_VARIABLE, "warm") != "cold") and SECCOMP:
         return WARM.run(source, stdin, limits)
     bwrap, python = find_bwrap(), find_python()
     started = time.monotonic()
@@ -153,26 +160,35 @@ def execution(
     return Execution(status, exit_code, text(stdout), text(stderr), reason, round(time.monotonic() - started, 4))
 
 
+def memfd(name: str, data: bytes) -> int:
+    """An anonymous file holding `data`, read from its start."""
+    fd = os.memfd_create(name)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
 class Sandbox:
     """One bwrap process and its pipes. Leaving the `with` kills what still runs and returns once the sandbox's
     pid 1 is gone (the kernel empties a pid namespace before its pid 1 counts as exited) and reaped here."""
 
     def __init__(self, bwrap: str, python: str, source: str, limits: Limits, warm: bool = False):
         self.limits, self.info, self.pidfd = limits, bytearray(), None
-        program = os.memfd_create("sandbox-source")  # bwrap copies it into the sandbox before the code starts
+        program = memfd("sandbox-source", source.encode())  # bwrap copies it into the sandbox before the code starts
+        seccomp = memfd("sandbox-seccomp", SECCOMP)
         self.info_fd, info_write = os.pipe()  # bwrap writes the host pid of the sandbox's pid 1 here
         os.set_blocking(self.info_fd, False)
         try:
-            os.write(program, source.encode())
-            os.lseek(program, 0, os.SEEK_SET)
             command = bwrap_command(bwrap, python, limits, program, info_write, warm)
-            self.process = start(command, (program, info_write))
+            if SECCOMP:
+                command[1:1] = ["--seccomp", str(seccomp)]
+            self.process = start(command, (program, seccomp, info_write))
         except BaseException:
             os.close(self.info_fd)
             raise
         finally:
-            os.close(program)
-            os.close(info_write)
+            for fd in (program, seccomp, info_write):
+                os.close(fd)
 
     def __enter__(self) -> Sandbox:
         return self
@@ -267,10 +283,22 @@ class Zygote:
     costs a fork instead of bwrap's set-up and Python's start-up; one at a time per server."""
 
     def __init__(self, bwrap: str, python: str):
+        """Start the server and run `pass` in it: SandboxError, in one line, when it cannot serve here. This
+        process is a child subreaper for the server's life (`Adoption`): its sandbox's pid 1 is reaped here
+        whenever it ends."""
         server = (Path(__file__).parent / "zygote.py").read_text()
+        ADOPTION.__enter__()
         self.sandbox = Sandbox(bwrap, python, server, Limits(), warm=True)
         self.stdin, self.stdout = self.sandbox.process.stdin.fileno(), self.sandbox.process.stdout.fileno()
-        self.served = 0
+        self.served = -1  # executions answered, the probe not counted
+        try:
+            probe = self.run("", "", Limits(wall_s=30.0))
+        except ZygoteLost as lost:
+            self.close()
+            raise SandboxError(f"{lost} (is the package {PACKAGE} working here? ASYNCRL_SANDBOX=cold)") from None
+        if probe[0] != 0:
+            self.close()
+            raise SandboxError(f"the warm sandbox cannot run Python here: {first_line(probe[2], last=True)}")
 
     def run(self, source: str, stdin: str, limits: Limits) -> tuple[int | None, bytes, bytes, str | None]:
         """(exit code, stdout, stderr, ended) as `Sandbox.communicate` and bwrap give them; ZygoteLost when the
@@ -307,8 +335,10 @@ class Zygote:
 
     def close(self) -> None:
         """End the server (and with it any execution) and return once none of its processes is left."""
-        with ADOPTION:
+        try:
             self.sandbox.__exit__()
+        finally:
+            ADOPTION.__exit__()
 
 
 class ZygoteLost(RuntimeError):
@@ -330,8 +360,6 @@ class WarmPool:
             exit_code, stdout, stderr, ended = zygote.run(source, stdin, limits)
         except ZygoteLost as lost:
             zygote.close()
-            if not zygote.served:  # its first request: the host cannot run a warm sandbox
-                raise SandboxError(f"{lost} (is the package {PACKAGE} working here? ASYNCRL_SANDBOX=cold)") from None
             return Execution("killed", None, "", "", str(lost), round(time.monotonic() - started, 4))
         except BaseException:
             zygote.close()
@@ -393,6 +421,32 @@ WARM = WarmPool()
 os.register_at_fork(after_in_child=ADOPTION.__init__)  # a forked child is no subreaper, and runs nothing yet
 os.register_at_fork(after_in_child=WARM.__init__)  # nor does it share its parent's servers
 atexit.register(WARM.close)
+
+
+def seccomp_filter(machine: str | None = None) -> bytes:
+    """A seccomp program (struct sock_filter[], what bwrap's --seccomp loads) that answers ENOSYS to the kernel
+    keyring's calls, to every call of another ABI (i386, x32: numbers it does not check), and lets everything
+    else through. Keyrings are the one thing the namespaces do not separate between the executions of a warm
+    server (their user keyring is the server's user namespace's), and the keys' quota is the host user's
+    (nobody's) in either mode. Empty on a machine whose call numbers it does not know (warm mode is then off)."""
+    if (machine or os.uname().machine) not in SECCOMP_ARCHES:
+        return b""
+    arch, calls = SECCOMP_ARCHES[machine or os.uname().machine]
+    deny = SECCOMP_RET_ERRNO | 38  # ENOSYS: as if the kernel had no keyrings
+    program = [
+        (BPF_LD_W_ABS, 0, 0, 4),  # seccomp_data.arch
+        (BPF_JEQ_K, 1, 0, arch),
+        (BPF_RET_K, 0, 0, deny),
+        (BPF_LD_W_ABS, 0, 0, 0),  # seccomp_data.nr
+        (BPF_JGE_K, len(calls) + 1, 0, 0x40000000),  # x32's calls (x86-64 numbers with bit 30 set)
+        *((BPF_JEQ_K, len(calls) - i, 0, call) for i, call in enumerate(calls)),
+        (BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),
+        (BPF_RET_K, 0, 0, deny),
+    ]
+    return b"".join(SOCK_FILTER.pack(*instruction) for instruction in program)
+
+
+SECCOMP = seccomp_filter()
 
 
 def system_binds() -> list[str]:

@@ -78,6 +78,7 @@ def main() -> None:
 def spawn() -> int:
     child = os.fork()
     if child == 0:
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # a program that stops reading its stdin: EPIPE, as Python has
         os._exit(serve_one())
     return child
 
@@ -97,7 +98,12 @@ def serve_one() -> int:
             os._exit(pid_one(header, source, [pipes[0][0], pipes[1][1], pipes[2][1]]))
         for fd in (pipes[0][0], pipes[1][1], pipes[2][1]):
             os.close(fd)
-        stdout, stderr, ended = communicate(pipes[0][1], pipes[1][0], pipes[2][0], stdin, header)
+        deadline = time.monotonic() + header["wall_s"]
+        stdout, stderr, ended = communicate(
+            pipes[0][1], pipes[1][0], pipes[2][0], stdin, header["output_bytes"], deadline
+        )
+        if not ended and not exits_by(init, deadline):  # its outputs closed, yet it may still run
+            ended = "timeout"
         if ended:
             os.kill(init, signal.SIGKILL)  # pid 1: the kernel ends its whole namespace with it
         _, status = os.waitpid(init, 0)  # returns once the namespace is empty
@@ -107,6 +113,15 @@ def serve_one() -> int:
     except BaseException:
         traceback.print_exc()
         return 70
+
+
+def exits_by(pid: int, deadline: float) -> bool:
+    """Whether child `pid` exits before `deadline` (a pidfd turns readable when it does)."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        return bool(select.select([pidfd], [], [], max(0.0, deadline - time.monotonic()))[0])
+    finally:
+        os.close(pidfd)
 
 
 def fresh_files(source: bytes, file_mb: int) -> None:
@@ -128,6 +143,7 @@ def pid_one(header: dict, source: bytes, fds: list[int]) -> int:
     try:
         check(LIBC.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "mount proc")
         drop_privileges()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the program may signal its pid 1: no KeyboardInterrupt here
         program = os.fork()
         if program == 0:
             run_program(header, source, fds)
@@ -144,6 +160,7 @@ def pid_one(header: dict, source: bytes, fds: list[int]) -> int:
 def run_program(header: dict, source: bytes, fds: list[int]) -> None:
     """Become the program: its pipes as fds 0-2 and nothing else open, its directory, its limits; never returns."""
     LIBC.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # its own /proc/self is its own again (pid 1 stays hidden)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh Python has it
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     os.closerange(3, 1 << 20)
@@ -206,10 +223,8 @@ def drop_privileges() -> None:
     check(LIBC.capset(header, bytes(24)), "capset")  # effective, permitted, inheritable: all empty
 
 
-def communicate(stdin_fd: int, stdout_fd: int, stderr_fd: int, stdin: bytes, header: dict):
+def communicate(stdin_fd: int, stdout_fd: int, stderr_fd: int, stdin: bytes, cap: int, deadline: float):
     """Feed stdin, read both outputs until they close: (stdout, stderr, None), or 'timeout' / 'output_limit'."""
-    deadline = time.monotonic() + header["wall_s"]
-    cap = header["output_bytes"]
     outputs = {stdout_fd: bytearray(), stderr_fd: bytearray()}
     poller = select.poll()
     for fd in outputs:
