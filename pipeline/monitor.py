@@ -11,12 +11,10 @@ TensorBoard) is built from the file alone, so it can be rebuilt for any run dire
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -93,26 +91,11 @@ class WandbStream:
         wandb.teardown()  # run.finish() may return before wandb-core has written the run's log; this waits for it
 
 
-def lowest_priority() -> None:
-    """The calling thread (and the OpenMP threads it starts, which libgomp keeps per calling thread) runs on CPU
-    time no other process wants (SCHED_IDLE): the evaluator must not take the trainer's or a rollout's core."""
-    with contextlib.suppress(OSError, AttributeError):  # not Linux
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-
-
-# One thread for every evaluation, one at a time (they share the model), at the lowest priority; the launcher's
-# other threads, and the workers it restarts, keep theirs.
-EVALUATION = ThreadPoolExecutor(1, thread_name_prefix="evaluation", initializer=lowest_priority)
-
-
 def evaluate_version(config: RunConfig, run_dir: Path, evaluator: Evaluator, version: int) -> dict | None:
     """Score weight version `version` (0: the model as loaded, before training) and append its `eval` line to
-    metrics.jsonl, its rows to eval/v<version>.jsonl; the line, or None when the version's file is gone. Runs in
-    the EVALUATION thread, at the lowest priority: on 2 cores, in the time the rollout worker waits."""
-    return EVALUATION.submit(score_version, config, run_dir, evaluator, version).result()
-
-
-def score_version(config: RunConfig, run_dir: Path, evaluator: Evaluator, version: int) -> dict | None:
+    metrics.jsonl, its rows to eval/v<version>.jsonl; the line, or None when the version's file is gone. In the
+    launcher's main thread: math-verify's parser (data.reward=math, chain) times itself with SIGALRM, which
+    only the main thread may use."""
     weights = version_path(runtime.weights_dir(config), version) if version else None
     result = evaluator.evaluate(weights)
     if result is None:

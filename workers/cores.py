@@ -7,9 +7,8 @@ it holds cores. A rollout worker holds its own while it generates and leaves the
 the trainer borrows whatever is free for one step and gives it back after, and borrows nothing while a rollout
 worker waits for its own, so one with work waits at most one step for its core. The trainer and the rollout
 workers never compute on one core together (more threads than cores collapse tiny matmuls: 0.13 s became
-2.3 s per step here); the reward worker and the broker are not in the ledger, and the launcher's evaluator
-runs at idle priority (pipeline/monitor.py). The kernel drops a dead process's locks: a killed worker never
-keeps a core.
+2.3 s per step here); the reward worker, the broker and the launcher's evaluator are not in the ledger. The
+kernel drops a dead process's locks: a killed worker never keeps a core.
 """
 
 from __future__ import annotations
