@@ -288,7 +288,11 @@ class Zygote:
         whenever it ends."""
         server = (Path(__file__).parent / "zygote.py").read_text()
         ADOPTION.__enter__()
-        self.sandbox = Sandbox(bwrap, python, server, Limits(), warm=True)
+        try:
+            self.sandbox = Sandbox(bwrap, python, server, Limits(), warm=True)
+        except BaseException:
+            ADOPTION.__exit__()
+            raise
         self.stdin, self.stdout = self.sandbox.process.stdin.fileno(), self.sandbox.process.stdout.fileno()
         self.served = -1  # executions answered, the probe not counted
         try:
@@ -429,9 +433,10 @@ def seccomp_filter(machine: str | None = None) -> bytes:
     else through. Keyrings are the one thing the namespaces do not separate between the executions of a warm
     server (their user keyring is the server's user namespace's), and the keys' quota is the host user's
     (nobody's) in either mode. Empty on a machine whose call numbers it does not know (warm mode is then off)."""
-    if (machine or os.uname().machine) not in SECCOMP_ARCHES:
+    machine = machine or os.uname().machine
+    if machine not in SECCOMP_ARCHES:
         return b""
-    arch, calls = SECCOMP_ARCHES[machine or os.uname().machine]
+    arch, calls = SECCOMP_ARCHES[machine]
     deny = SECCOMP_RET_ERRNO | 38  # ENOSYS: as if the kernel had no keyrings
     program = [
         (BPF_LD_W_ABS, 0, 0, 4),  # seccomp_data.arch
