@@ -225,7 +225,10 @@ def run_peer(config: RunConfig, threads: int, eval_every: int, out_dir: Path, pr
     bar.close()
     seconds = evaluations.curve[-1]["seconds"]  # its last step, as asyncrl's time is its trainer's last step
     steps, first = trainer.state.global_step, evaluations.first_step_seconds
-    return measured(evaluations.curve, seconds, clock.cpu_seconds(), steps, verifier.tokens, first_step_seconds=first)
+    logged = [line for line in trainer.state.log_history if "loss" in line]  # its own metrics, every eval_every steps
+    return measured(
+        evaluations.curve, seconds, clock.cpu_seconds(), steps, verifier.tokens, first_step_seconds=first, log=logged
+    )
 
 
 def task_rows_for_training(config: RunConfig) -> list:

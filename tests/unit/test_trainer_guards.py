@@ -1,11 +1,12 @@
 """Non-finite updates are skipped, not applied; non-finite weights are never published; the trainer's
-versions go on, contiguous, with the skipped steps counted."""
+versions go on, contiguous, with the skipped steps counted, each announced in order after its manifest."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
 import dataclasses
+import itertools
 import json
 import math
 
@@ -15,14 +16,15 @@ from safetensors.torch import load_file
 
 from pipeline.config import load_config, resolve
 from schemas.messages import BatchManifest, PromptGroup, Scored, WeightVersion
-from topics.memory import MemoryTransport
+from topics.memory import MemoryBroker, MemorySink, MemoryTransport
 from topics.names import TopicLayout
+from topics.transport import decode_or_error
 from workers import runtime
 from workers.trainer import step as step_module
 from workers.trainer import worker as trainer_worker
 from workers.trainer.losses import LossSettings
 from workers.trainer.step import StepSettings, collate, train_step
-from workers.weights import NonFiniteWeights, write_version
+from workers.weights import NonFiniteWeights, non_finite, write_version
 
 SEQS = [([3, 4, 5], [6, 7], [-1.0, -2.0]), ([3, 4], [8, 9, 1], [-0.5, -0.25, -3.0]), ([5], [6], [-1.5])]
 SETTINGS = StepSettings(decoupled=True, minibatches=1, grad_clip=1.0, temperature=1.0, loss=LossSettings(clip_eps=0.2))
@@ -77,6 +79,14 @@ def test_write_version_refuses_nan_or_inf_and_writes_nothing(tmp_path):
     assert torch.equal(load_file(path)["a"], good["a"])
 
 
+def test_non_finite_names_exactly_the_tensors_with_nan_or_inf_even_where_a_finite_sum_overflows():
+    huge = torch.full((4,), 3e38)  # finite, but its sum is inf: the fast check alone would refuse it
+    tensors = {"a": torch.ones(3), "huge": huge, "ids": torch.tensor([1, 2]), "nan": torch.tensor([0.0, math.nan])}
+    tensors["inf"] = torch.tensor([-math.inf, 1.0]).to(torch.bfloat16)
+    assert non_finite(tensors) == ["nan", "inf"]
+    assert non_finite({"a": torch.ones(3), "huge": huge}) == [] and non_finite({}) == []
+
+
 def scored(group: PromptGroup, sample: int, reward: float) -> Scored:
     return Scored(
         trajectory_id=f"{group.prompt_id}/{sample}",
@@ -96,20 +106,18 @@ def scored(group: PromptGroup, sample: int, reward: float) -> Scored:
     )
 
 
-async def test_trainer_loop_skips_non_finite_steps_yet_publishes_every_version(tmp_path, demo_model_dir, monkeypatch):
-    """Every update has an inf gradient norm: the batches are consumed, versions 1 and 2 are announced with
-    the initial weights bit for bit, and the metrics count the skipped steps."""
-    monkeypatch.setattr(step_module, "clip_gradients", lambda model, max_norm: math.inf)
-    overrides = ["name=guard", f"model.path={demo_model_dir}", "broker.bootstrap=memory", "trainer.steps=2"]
+async def run_trainer_on_two_groups(tmp_path, model_dir, transport: MemoryTransport, steps: int = 2):
+    """The trainer loop for `steps` steps of one group of 2 samples (rewards 0 and 1), from an in-memory broker
+    holding `steps` such groups; its config."""
+    overrides = ["name=guard", f"model.path={model_dir}", "broker.bootstrap=memory", f"trainer.steps={steps}"]
     overrides += [f"runs_dir={tmp_path}", "trainer.batch_groups=1", "data.n_samples=2"]
     config = resolve(load_config(None, overrides))
-    transport = MemoryTransport(TopicLayout())
     groups = [
         PromptGroup(
             prompt_id=f"p{n}", row_index=n, epoch=0, release_index=n, released_at_version=0, prompt_text="47+8=",
             prompt_tokens=[7, 10, 13], answer="55", n_samples=2,
         )
-        for n in range(2)
+        for n in range(steps)
     ]  # fmt: skip
     async with transport.outbox() as outbox:
         for group in groups:
@@ -117,6 +125,15 @@ async def test_trainer_loop_skips_non_finite_steps_yet_publishes_every_version(t
             for sample in (0, 1):
                 await outbox.send_now("scored", scored(group, sample, float(sample)), key=group.prompt_id)
     await asyncio.wait_for(trainer_worker.main(config, asyncio.Event(), transport), 60)
+    return config
+
+
+async def test_trainer_loop_skips_non_finite_steps_yet_publishes_every_version(tmp_path, demo_model_dir, monkeypatch):
+    """Every update has an inf gradient norm: the batches are consumed, versions 1 and 2 are announced with
+    the initial weights bit for bit, and the metrics count the skipped steps."""
+    monkeypatch.setattr(step_module, "clip_gradients", lambda model, max_norm: math.inf)
+    transport = MemoryTransport(TopicLayout())
+    config = await run_trainer_on_two_groups(tmp_path, demo_model_dir, transport)
 
     assert [m.step for m in transport.broker.messages("batches", BatchManifest)] == [1, 2]
     announced = transport.broker.messages("weights", WeightVersion)
@@ -125,3 +142,45 @@ async def test_trainer_loop_skips_non_finite_steps_yet_publishes_every_version(t
     assert all(unchanged(initial, version) for version in later)  # published, with the weights never changed
     lines = [json.loads(line) for line in (runtime.run_dir(config) / "metrics.jsonl").read_text().splitlines()]
     assert [(line["step"], line["skipped_updates"], line["skipped_steps"]) for line in lines] == [(1, 1, 1), (2, 1, 2)]
+
+
+async def test_a_version_is_announced_after_its_manifest_and_after_the_version_before(
+    tmp_path, demo_model_dir, monkeypatch
+):
+    """Weights are written and announced while the next step trains: each announcement still waits for the
+    previous version's and for its own step's manifest, here delivered 0.3 s late, and names the weights that
+    step made (not those of a later step)."""
+    order: list[tuple[str, int]] = []  # (topic role, step or version) in the order the broker got them
+    append = MemoryBroker.append
+
+    async def recorded(self, topic, value, key, headers):
+        for role, cls in (("batches", BatchManifest), ("weights", WeightVersion)):
+            if topic == self.layout.name(role):
+                message = decode_or_error(value, cls)
+                order.append((role, message.step))
+        return await append(self, topic, value, key, headers)
+
+    async def late(self, topic, value, key, headers):
+        if topic != self.broker.layout.name("batches"):
+            return await send(self, topic, value, key, headers)
+        delivered = asyncio.get_running_loop().create_future()
+
+        async def deliver():
+            await asyncio.sleep(0.3)
+            delivered.set_result(await self.broker.append(topic, value, key, headers))
+
+        pending.append(asyncio.create_task(deliver()))
+        return delivered
+
+    send, pending = MemorySink.send, []
+    monkeypatch.setattr(MemoryBroker, "append", recorded)
+    monkeypatch.setattr(MemorySink, "send", late)
+    transport = MemoryTransport(TopicLayout())
+    await run_trainer_on_two_groups(tmp_path, demo_model_dir, transport, steps=3)
+
+    assert [entry for entry in order if entry[0] == "weights"] == [("weights", v) for v in range(4)]
+    for version in (1, 2, 3):
+        assert order.index(("batches", version)) < order.index(("weights", version))
+    announced = transport.broker.messages("weights", WeightVersion)
+    versions = [load_file(a.uri) for a in announced]
+    assert not any(unchanged(a, b) for a, b in itertools.pairwise(versions))  # every step changed the weights

@@ -160,7 +160,8 @@ def full_state_dict(model: torch.nn.Module, all_ranks: bool = False) -> dict[str
 
     A collective under FSDP2: every rank must call it. Rank 0 (or a process without
     ranks) gets the tensors (every rank with `all_ranks`), the others an empty dict,
-    so only one copy is kept for writing.
+    so only one copy is kept for writing. The tensors are copies, never the model's own: a step may change
+    the model while they are being written.
     """
     keep = all_ranks or not dist.is_initialized() or dist.get_rank() == 0
     every_name = {name for name, _ in model.named_parameters(remove_duplicate=False)}
@@ -171,5 +172,5 @@ def full_state_dict(model: torch.nn.Module, all_ranks: bool = False) -> dict[str
             continue
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         if keep:
-            tensors[name] = full.detach().to("cpu").contiguous()
+            tensors[name] = full.detach().to("cpu", copy=full is tensor).contiguous()  # gathered: a copy already
     return tensors

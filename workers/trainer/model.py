@@ -69,7 +69,12 @@ class RankModel:
             shard_model(self.model)  # before the optimizer: the parameters become sharded DTensors
         self.reference = self._load().eval().requires_grad_(False) if config.trainer.loss.kl_coef > 0 else None
         optim = config.trainer.optim
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=optim.lr,
+            weight_decay=optim.weight_decay,
+            fused=ranks.world == 1 or None,  # one kernel over all tensors (3x faster on CPU); FSDP2's DTensors: foreach
+        )
 
     def _load(self) -> torch.nn.Module:
         """float32 whatever model.dtype says: the master weights and AdamW's moments keep full precision, and
@@ -152,12 +157,18 @@ class Trainer:
             "token_staleness_mean": sum(version - v for versions in trained for v in versions) / max(tokens, 1),
         }
 
-    def publish(self) -> tuple[Path, str]:
-        """Write the whole, unsharded weights of the current version to shared storage, cast to model.dtype
-        (what the rollout runs, at that size on disk); (path, sha256)."""
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """The whole, unsharded weights of the current version, cast to model.dtype (what the rollout runs, at that
+        size on disk), in memory of their own: the next step may train while they are written."""
+        return cast_floating(self.commands.gather_weights(), self.config.model.dtype)
+
+    def publish(self, weights: dict[str, torch.Tensor] | None = None, version: int | None = None) -> tuple[Path, str]:
+        """Write `weights` (default: a snapshot now) as `version` (default: the current step) to shared storage;
+        (path, sha256)."""
+        weights = self.snapshot() if weights is None else weights
+        version = self.state.step if version is None else version
         keep = self.config.trainer.checkpoint.keep_versions
-        weights = cast_floating(self.commands.gather_weights(), self.config.model.dtype)
-        return write_version(weights, runtime.weights_dir(self.config), self.state.step, keep)
+        return write_version(weights, runtime.weights_dir(self.config), version, keep)
 
     def save(self) -> Path:
         """A checkpoint of the model, optimizer and `state` as it is now (set its resume fields first)."""

@@ -5,7 +5,9 @@ trainer follows `prompts` to know which groups are due and waits for a straggler
 at its deadline rather than stepping past it (dropping it would bias training
 towards short answers).
 
-Exactly once: the manifest of a step is written before the step; a restarted
+Exactly once: the manifest of a step is sent before the step and delivered before its
+version is announced (weights are written and announced in the background while the
+next step trains, `Lead.announce`); a restarted
 trainer loads its last checkpoint, re-reads `scored` from where that checkpoint
 still had untrained records, skips what the checkpoint and earlier manifests
 trained or dropped, and re-executes the manifests written after the checkpoint
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 
 import torch
 from opentelemetry.context import Context
@@ -119,6 +122,8 @@ class Lead:
         self.pending_drops: list[DroppedGroup] = []  # dropped since the last manifest, recorded in the next one
         self.metrics, self.started = ctx.metrics(), time.monotonic()
         self.step_ended = time.perf_counter()  # the wait for the next batch starts here
+        self.publishing: asyncio.Task | None = None  # the newest version's write and announcement, off the step's path
+        self.publish_lag = 0.0  # seconds from a version's snapshot to its announcement, the last one delivered
         self.key = load_key(ctx.run_dir)  # signs every announcement (workers.announce); None: the run has no key
         self.cores = ledger_for(ctx.config, ctx.run_dir)  # None: the trainer keeps trainer.threads throughout
         if self.cores is not None and self.cores.take(self.cfg.threads) < self.cfg.threads:
@@ -145,9 +150,10 @@ class Lead:
         seconds go to the step's metrics (`time_*`), with the wait for the batch before it."""
         clock = PhaseClock()
         clock.seconds["time_wait"] = clock.last - self.step_ended
+        recorded = None  # a new batch's manifest is delivered while the step trains, and before its version is out
         if manifest is None:
             manifest = new_manifest(groups, self.state.step, self.feed.resume_offsets(), self.pending_drops)
-            await self.outbox.send_now("batches", manifest, key=manifest.step)
+            recorded = await self.outbox.send("batches", manifest, key=manifest.step)
             self.pending_drops = []
         clock.lap("time_manifest")
         step_started, tracer = time.monotonic(), self.ctx.tracer
@@ -168,12 +174,12 @@ class Lead:
         clock.lap("time_train")
         if stats["skipped_updates"]:  # the batch is consumed and the version advances with unchanged weights
             self.ctx.log.warning("update skipped, weights unchanged", step=manifest.step, reason=stats["skip_reason"])
-        await self.announce(final=self.state.step >= self.cfg.steps, clock=clock)
+        await self.announce(final=self.state.step >= self.cfg.steps, clock=clock, after=recorded)
         if self.state.step % self.cfg.checkpoint.every == 0 or self.state.step >= self.cfg.steps:
             await self.checkpoint()
         clock.lap("time_checkpoint")
         self.step_ended = clock.last
-        self.report({**stats, **clock.seconds}, time.monotonic() - step_started)
+        self.report({**stats, **clock.seconds, "publish_lag": self.publish_lag}, time.monotonic() - step_started)
 
     def train_on_free_cores(self, groups: list[Group]) -> dict:
         """The step on the trainer's own cores and on any a rollout worker has left idle, given back after it
@@ -188,28 +194,44 @@ class Lead:
             self.cores.keep(self.cfg.threads)
             torch.set_num_threads(self.cfg.threads)
 
-    async def announce(self, final: bool = False, clock: PhaseClock | None = None) -> None:
-        """Publish the current weights, then tell `weights` (path and sha256), signed with the run's key."""
+    async def announce(self, final: bool = False, clock: PhaseClock | None = None, after: Awaitable | None = None):
+        """Publish the current weights and tell `weights` (path and sha256, signed with the run's key).
+
+        Only the copy of the weights is on the step's path (`time_publish`); writing, hashing and the
+        announcement run while the next step trains, each after the previous version's announcement and
+        `after` (the step's manifest: a version is never out before the record of what it trained). The
+        final version's announcement is awaited."""
         st, clock = self.state, clock or PhaseClock()
-        path, digest = await asyncio.to_thread(self.trainer.publish)
+        if self.publishing is not None and self.publishing.done():
+            self.publishing.result()  # a publication that failed stops the run now, not at the next checkpoint
+        weights = await asyncio.to_thread(self.trainer.snapshot)
         clock.lap("time_publish")
-        announcement = WeightVersion(
-            version=st.step,
-            uri=str(path.resolve()),
-            content_hash=digest,
-            step=st.step,
-            groups_consumed=st.groups_consumed,
-            groups_dropped=st.groups_dropped,
-            final=final,
-        )
+        version = {"version": st.step, "step": st.step, "final": final}
+        counts = {"groups_consumed": st.groups_consumed, "groups_dropped": st.groups_dropped}
+        previous, snapped = self.publishing, time.perf_counter()
+        self.publishing = asyncio.create_task(self.publish(weights, version | counts, [previous, after], snapped))
+        if final:
+            await self.published()
+
+    async def publish(self, weights: dict, fields: dict, before: list, snapped: float) -> None:
+        for awaited in filter(None, before):
+            await awaited
+        path, digest = await asyncio.to_thread(self.trainer.publish, weights, fields["version"])
+        announcement = WeightVersion(uri=str(path.resolve()), content_hash=digest, **fields)
         await self.outbox.send_now("weights", announcement, headers=signed_headers(self.key, announcement))
-        clock.lap("time_announce")
+        self.publish_lag = time.perf_counter() - snapped
+
+    async def published(self) -> None:
+        """Wait until the newest version is announced (raising what its publication raised)."""
+        if self.publishing is not None:
+            await self.publishing
 
     async def checkpoint(self) -> None:
         """Save where a restart resumes. On the embedded broker, which loses its topics when it dies, first
         append them to the run's export: a checkpoint is then never newer than the topics it names (the
         manifests, the `scored` offsets, the weights announcements); one whose export fails is skipped."""
         st, config = self.state, self.ctx.config
+        await self.published()  # the export below then holds the announcement of the version saved
         if config.broker.embedded:
             try:
                 prefix = config.broker.topic_prefix
@@ -277,12 +299,17 @@ async def lead(ctx: runtime.WorkerContext, trainer: Trainer, stop: asyncio.Event
         ctx.transport.inbox("prompts", PromptGroup, outbox, origin=ctx.id) as releases,  # deadlines of groups
     ):
         loop = Lead(ctx, trainer, outbox, Feed(buffer, releases, scored, trainer.vocab), redo)
-        await loop.announce()
-        while st.step < cfg.steps and not stop.is_set():
-            await loop.feed.poll()
-            groups, manifest = await loop.next_batch()
-            if groups:
-                await loop.step(groups, manifest)
+        try:
+            await loop.announce()
+            while st.step < cfg.steps and not stop.is_set():
+                await loop.feed.poll()
+                groups, manifest = await loop.next_batch()
+                if groups:
+                    await loop.step(groups, manifest)
+            await loop.published()
+        finally:
+            if loop.publishing is not None and not loop.publishing.done():  # the step failed: no version after it
+                loop.publishing.cancel()
         if stop.is_set() and st.step % cfg.checkpoint.every:
             await loop.checkpoint()
         if loop.cores is not None:
