@@ -248,6 +248,16 @@ class TrainerConfig(Section):
     ] = False
     batch_groups: Annotated[int, doc("prompt groups per step (B)", ge=1)] = 8
     max_staleness: Annotated[int, doc("eta: a group released at version v trains by version v + eta", ge=0)] = 4
+    skip_uniform_groups: Annotated[
+        int,
+        doc(
+            "per step, drop up to this many complete groups whose samples all got the same reward (no advantage) "
+            "and train on later ones instead, so the batch carries more signal (DAPO's dynamic sampling); the "
+            "prompt source releases a group in place of each one dropped; the cap bounds the extra generation "
+            "once most groups are solved; 0 = off",
+            ge=0,
+        ),
+    ] = 0
     optim: OptimConfig = OptimConfig()
     loss: LossConfig = LossConfig()
     microbatch: MicrobatchConfig = MicrobatchConfig()
@@ -343,6 +353,8 @@ class RunConfig(Section):
                 f"rollout.workers={self.rollout.workers} needs broker.partitions >= {self.rollout.workers} "
                 "(each rollout worker consumes its own partitions of `prompts`)"
             )
+        if self.trainer.skip_uniform_groups and self.data.n_samples < 2:
+            raise ValueError("trainer.skip_uniform_groups needs data.n_samples >= 2 (a group of one is always uniform)")
         if self.trainer.optim.minibatches > self.trainer.batch_groups * self.data.n_samples:
             raise ValueError(
                 "trainer.optim.minibatches cannot exceed the trajectories per step "

@@ -1,6 +1,8 @@
 """The trainer's admission rules: at most once, whole groups, oldest first, stale groups dropped."""
 
-from schemas.messages import PromptGroup, Scored
+import msgspec
+
+from schemas.messages import DroppedGroup, PromptGroup, Scored
 from workers.trainer.buffer import GroupBuffer
 
 
@@ -150,3 +152,35 @@ def test_a_second_release_of_a_group_that_contradicts_the_first_is_refused_and_c
     fill(buffer, "p", 0)
     assert [g.prompt_id for g in buffer.take(1, trainer_version=0, max_staleness=0)[0]] == ["p"]
     assert buffer.note_release(release("p", 0, n=7)) is None  # done: ignored
+
+
+def test_with_skip_uniform_a_group_without_advantage_is_dropped_and_the_next_one_trains():
+    buffer = GroupBuffer()
+    fill(buffer, "uniform", release_index=0)  # both samples scored 1.0
+    buffer.add(msgspec.structs.replace(scored("mixed", 0, 1), reward=0.0), (0, 2))
+    buffer.add(scored("mixed", 1, 1), (0, 3))
+    assert [g.prompt_id for g in buffer.take(1, 0, 4)[0]] == ["uniform"]  # off: the oldest trains, as ever
+    buffer = GroupBuffer()
+    fill(buffer, "uniform", release_index=0)
+    buffer.add(scored("incomplete", 0, 2), (0, 4))  # one of its two samples: not judged before it is complete
+    assert buffer.take(1, 0, 4, skip_uniform=2) == ([], [DroppedGroup(prompt_id="uniform", reason=UNIFORM_REASON)])
+    buffer.add(msgspec.structs.replace(scored("mixed", 0, 1), reward=0.0), (0, 2))
+    buffer.add(scored("mixed", 1, 1), (0, 3))
+    [group], dropped = buffer.take(1, 0, 4, skip_uniform=2)
+    assert group.prompt_id == "mixed" and dropped == []
+    assert not buffer.add(scored("uniform", 0), (0, 5))  # done: a copy delivered again is not taken
+
+
+UNIFORM_REASON = "uniform: all 2 samples scored 1 (no advantage)"
+
+
+def test_at_most_skip_uniform_groups_are_dropped_per_version_then_uniform_ones_train():
+    buffer = GroupBuffer()
+    for index, prompt_id in enumerate(["u0", "u1", "u2", "u3"]):
+        fill(buffer, prompt_id, release_index=index)
+    batch, dropped = buffer.take(1, 0, 4, skip_uniform=1)
+    assert [g.prompt_id for g in batch] == ["u1"] and [d.prompt_id for d in dropped] == ["u0"]  # the oldest one
+    batch, dropped = buffer.take(1, 0, 4, skip_uniform=1)
+    assert [g.prompt_id for g in batch] == ["u2"] and dropped == []  # version 0 has dropped its one
+    batch, dropped = buffer.take(1, 1, 4, skip_uniform=1)
+    assert batch == [] and [d.prompt_id for d in dropped] == ["u3"]  # a new version may drop one again

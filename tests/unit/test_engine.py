@@ -170,6 +170,34 @@ def test_interruption_continues_like_fresh_engine_with_new_weights(model, forwar
     assert any(s.token_ids != o.token_ids for s, o in zip(seqs, old, strict=True))  # the update did change the policy
 
 
+@pytest.mark.parametrize("load", ["update_weights", "in_place"])
+def test_direct_forward_follows_weight_loads(model, tmp_path, load):
+    """The direct forward runs on fused copies of the weights: after a load, through the engine or straight
+    into the model in place, every next logit must be a fresh forward's under the new weights."""
+    engine = Engine(model, forward="direct")
+    assert engine.forward.copy  # a tiny model's weights are copied
+    generate_all(engine, PROMPTS, GREEDY)  # the copies of the old weights in use
+    new_weights = perturbed(model)
+    if load == "update_weights":
+        engine.update_weights(as_version(new_weights, tmp_path, 1))
+    else:
+        model.load_state_dict(new_weights)
+    for seq in generate_all(engine, PROMPTS, GREEDY):
+        logp = torch.log_softmax(full_forward_logits(model, seq), -1)  # [new, V]: the model holds the new weights
+        assert seq.token_ids == logp.argmax(-1).tolist()
+        want = logp.gather(-1, torch.tensor(seq.token_ids)[:, None]).squeeze(-1)  # [new]
+        torch.testing.assert_close(torch.tensor(seq.logprobs), want, atol=1e-4, rtol=0)
+
+
+def test_direct_forward_without_copies_matches_hf_generate(model, monkeypatch):
+    """A model over COPY_BYTES runs the direct forward on its parameters as they are."""
+    monkeypatch.setattr(engine_module, "COPY_BYTES", 0)
+    engine = Engine(model, forward="direct")
+    assert not engine.forward.copy
+    for prompt, seq in zip(PROMPTS, generate_all(engine, PROMPTS, GREEDY), strict=True):
+        assert seq.token_ids == hf_greedy(model, prompt, GREEDY.max_new_tokens)
+
+
 def test_re_prefill_is_chunked_by_length_and_changes_nothing(model, monkeypatch, tmp_path):
     """After an interruption, contexts of 3 to 40 tokens are re-prefilled in chunks of similar widths
     (padding each to the longest would cost several times the real tokens), with the same tokens."""

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.config import load_config, resolve
-from schemas.messages import BatchManifest, PromptGroup, Scored, WeightVersion
+from schemas.messages import BatchManifest, PromptGroup, Scored, WeightVersion, prompt_id_of
 from topics.memory import MemoryBroker, MemorySink, MemoryTransport
 from topics.names import TopicLayout
 from topics.transport import decode_or_error
@@ -23,6 +23,7 @@ from workers import runtime
 from workers.trainer import step as step_module
 from workers.trainer import worker as trainer_worker
 from workers.trainer.losses import LossSettings
+from workers.trainer.model import Trainer
 from workers.trainer.step import StepSettings, collate, train_step
 from workers.weights import NonFiniteWeights, non_finite, write_version
 
@@ -106,24 +107,27 @@ def scored(group: PromptGroup, sample: int, reward: float) -> Scored:
     )
 
 
-async def run_trainer_on_two_groups(tmp_path, model_dir, transport: MemoryTransport, steps: int = 2):
-    """The trainer loop for `steps` steps of one group of 2 samples (rewards 0 and 1), from an in-memory broker
-    holding `steps` such groups; its config."""
-    overrides = ["name=guard", f"model.path={model_dir}", "broker.bootstrap=memory", f"trainer.steps={steps}"]
-    overrides += [f"runs_dir={tmp_path}", "trainer.batch_groups=1", "data.n_samples=2"]
+async def run_trainer_on_two_groups(
+    tmp_path, model_dir, transport: MemoryTransport, steps: int = 2, rewards=None, overrides=()
+):
+    """The trainer loop for `steps` steps of one group of 2 samples, from an in-memory broker holding a group
+    per (reward, reward) pair of `rewards` (default: `steps` groups scored 0 and 1); its config."""
+    rewards = rewards or [(0.0, 1.0)] * steps
+    overrides = [*overrides, "name=guard", f"model.path={model_dir}", "broker.bootstrap=memory"]
+    overrides += [f"runs_dir={tmp_path}", "trainer.batch_groups=1", "data.n_samples=2", f"trainer.steps={steps}"]
     config = resolve(load_config(None, overrides))
     groups = [
         PromptGroup(
             prompt_id=f"p{n}", row_index=n, epoch=0, release_index=n, released_at_version=0, prompt_text="47+8=",
             prompt_tokens=[7, 10, 13], answer="55", n_samples=2,
         )
-        for n in range(steps)
+        for n in range(len(rewards))
     ]  # fmt: skip
     async with transport.outbox() as outbox:
-        for group in groups:
+        for group, pair in zip(groups, rewards, strict=True):
             await outbox.send_now("prompts", group, key=group.prompt_id)
-            for sample in (0, 1):
-                await outbox.send_now("scored", scored(group, sample, float(sample)), key=group.prompt_id)
+            for sample, reward in enumerate(pair):
+                await outbox.send_now("scored", scored(group, sample, reward), key=group.prompt_id)
     await asyncio.wait_for(trainer_worker.main(config, asyncio.Event(), transport), 60)
     return config
 
@@ -184,3 +188,26 @@ async def test_a_version_is_announced_after_its_manifest_and_after_the_version_b
     announced = transport.broker.messages("weights", WeightVersion)
     versions = [load_file(a.uri) for a in announced]
     assert not any(unchanged(a, b) for a, b in itertools.pairwise(versions))  # every step changed the weights
+
+
+async def test_with_skip_uniform_groups_a_group_without_advantage_is_recorded_dropped_and_never_trained(
+    tmp_path, demo_model_dir, monkeypatch
+):
+    written, publish = [], Trainer.publish
+    monkeypatch.setattr(Trainer, "publish", lambda self, *args: written.append(args[1]) or publish(self, *args))
+    transport = MemoryTransport(TopicLayout())
+    rewards = [(1.0, 1.0), (0.0, 1.0), (0.0, 0.0), (1.0, 0.0)]  # p0 and p2 have no advantage
+    await run_trainer_on_two_groups(
+        tmp_path, demo_model_dir, transport, steps=2, rewards=rewards, overrides=["trainer.skip_uniform_groups=2"]
+    )
+    manifests = transport.broker.messages("batches", BatchManifest)
+    assert [sorted({prompt_id_of(t) for t in m.trajectory_ids}) for m in manifests] == [["p1"], ["p3"]]
+    dropped = [(d.prompt_id, d.reason) for m in manifests for d in m.dropped]
+    assert dropped == [
+        ("p0", "uniform: all 2 samples scored 1 (no advantage)"),
+        ("p2", "uniform: all 2 samples scored 0 (no advantage)"),
+    ]
+    announced = transport.broker.messages("weights", WeightVersion)
+    assert announced[-1].groups_dropped == 2 and announced[-1].groups_consumed == 2
+    assert [a.version for a in announced] == [0, 0, 1, 2]  # drops announce their version's file again...
+    assert written == [0, 1, 2]  # ...without writing it again

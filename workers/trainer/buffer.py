@@ -15,6 +15,7 @@ from schemas.messages import DroppedGroup, PromptGroup, Scored, prompt_id_of
 from workers.staleness import admissible, staleness
 
 Position = tuple[int, int]  # (partition, offset) of a record in `scored`
+UNIFORM = "uniform"  # the reason of a group dropped for having no advantage begins so
 FACTS = ("n_samples", "release_index", "released_at_version", "prompt_tokens")  # a release's, copied by each sample
 
 
@@ -37,6 +38,11 @@ class Group:
     def trajectories(self) -> list[tuple[Scored, Position]]:
         return [self.members[i] for i in sorted(self.members)]
 
+    def uniform_reward(self) -> float | None:
+        """The reward every sample got, if they all got the same one (the group has no advantage); else None."""
+        rewards = {scored.reward for scored, _ in self.members.values()}
+        return next(iter(rewards)) if len(rewards) == 1 else None
+
 
 class GroupBuffer:
     def __init__(self, done_trajectories: set[str] = frozenset(), done_prompts: set[str] = frozenset()):
@@ -44,6 +50,7 @@ class GroupBuffer:
         self.done_prompts: set[str] = set(done_prompts)  # groups trained or dropped
         self.groups: dict[str, Group] = {}
         self.outstanding: dict[str, PromptGroup] = {}  # released, not yet trained or dropped
+        self.uniform_dropped = (0, 0)  # (trainer version, uniform groups dropped while at it)
 
     def note_release(self, release: PromptGroup) -> str | None:
         """A group the prompt source released: it must be trained by version released_at_version + eta, with
@@ -95,7 +102,7 @@ class GroupBuffer:
         return True
 
     def take(
-        self, batch_groups: int, trainer_version: int, max_staleness: int
+        self, batch_groups: int, trainer_version: int, max_staleness: int, skip_uniform: int = 0
     ) -> tuple[list[Group], list[DroppedGroup]]:
         """`batch_groups` complete groups (oldest release first) and the groups dropped on the way.
 
@@ -103,8 +110,9 @@ class GroupBuffer:
         trainer_version - eta) must be in this batch: while one is still incomplete
         the trainer waits for it rather than step past its deadline, so stragglers
         (long answers) are trained, not dropped. Groups already past their deadline
-        (possible only if their release was seen late) are dropped with the reason.
-        Returns an empty batch until the batch can be made.
+        (possible only if their release was seen late) are dropped with the reason,
+        and so are, up to `skip_uniform` per version, complete groups whose samples all
+        got the same reward. Returns an empty batch until the batch can be made.
         """
         released = {pid: g.released_at_version for pid, g in (self.groups | self.outstanding).items()}
         dropped = [
@@ -112,6 +120,13 @@ class GroupBuffer:
             for pid, v in sorted(released.items())
             if not admissible(trainer_version, v, max_staleness)
         ]
+        version, count = self.uniform_dropped
+        so_far = count if version == trainer_version else 0
+        uniform = [g for g in self.groups.values() if g.complete and g.uniform_reward() is not None]
+        uniform = sorted(uniform, key=lambda g: g.release_index)[: max(skip_uniform - so_far, 0)]
+        if uniform:
+            self.uniform_dropped = (trainer_version, so_far + len(uniform))
+            dropped += [self._drop_uniform(g) for g in uniform]
         due = [
             pid for pid, release in self.outstanding.items()
             if staleness(trainer_version, release.released_at_version) == max_staleness
@@ -153,6 +168,11 @@ class GroupBuffer:
     @staticmethod
     def _new_group(facts: Scored | PromptGroup) -> Group:
         return Group(facts.prompt_id, facts.n_samples, facts.release_index, facts.released_at_version)
+
+    def _drop_uniform(self, group: Group) -> DroppedGroup:
+        self.finish(group.prompt_id)
+        reason = f"{UNIFORM}: all {group.n_samples} samples scored {group.uniform_reward():g} (no advantage)"
+        return DroppedGroup(prompt_id=group.prompt_id, reason=reason)
 
     def _drop(self, prompt_id: str, released_at_version: int, trainer_version: int, max_staleness: int) -> DroppedGroup:
         self.finish(prompt_id)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable
+from pathlib import Path
 
 import torch
 from opentelemetry.context import Context
@@ -45,7 +46,7 @@ from workers import runtime
 from workers.announce import load_key, signed_headers
 from workers.cores import ledger_for
 from workers.trainer import checkpoint
-from workers.trainer.buffer import Group, GroupBuffer
+from workers.trainer.buffer import UNIFORM, Group, GroupBuffer
 from workers.trainer.model import Trainer, checkpoints_dir
 from workers.trainer.step import PhaseClock
 from workers.vocab import outside_vocab
@@ -124,6 +125,8 @@ class Lead:
         self.step_ended = time.perf_counter()  # the wait for the next batch starts here
         self.publishing: asyncio.Task | None = None  # the newest version's write and announcement, off the step's path
         self.publish_lag = 0.0  # seconds from a version's snapshot to its announcement, the last one delivered
+        self.copied: int | None = None  # the newest version whose weights were copied for writing
+        self.written: tuple[Path, str] | None = None  # its file and sha256, once written
         self.key = load_key(ctx.run_dir)  # signs every announcement (workers.announce); None: the run has no key
         self.cores = ledger_for(ctx.config, ctx.run_dir)  # None: the trainer keeps trainer.threads throughout
         if self.cores is not None and self.cores.take(self.cfg.threads) < self.cfg.threads:
@@ -135,13 +138,16 @@ class Lead:
         if self.redo:
             groups = buffer.take_exact(self.redo[0].trajectory_ids)
             return (groups, self.redo.pop(0)) if groups else ([], None)
-        groups, dropped = buffer.take(self.cfg.batch_groups, self.state.step, self.cfg.max_staleness)
+        groups, dropped = buffer.take(
+            self.cfg.batch_groups, self.state.step, self.cfg.max_staleness, self.cfg.skip_uniform_groups
+        )
         if dropped:
             for group in dropped:
                 self.feed.traces.pop(group.prompt_id, None)
             self.state.groups_dropped += len(dropped)
             self.pending_drops += dropped
-            self.ctx.log.warning("groups dropped", groups=[d.prompt_id for d in dropped], reason=dropped[0].reason)
+            if stale := [d for d in dropped if not d.reason.startswith(UNIFORM)]:  # uniform ones: by design
+                self.ctx.log.warning("groups dropped", groups=[d.prompt_id for d in stale], reason=stale[0].reason)
             await self.announce()  # the prompt source may release in their place
         return groups, None
 
@@ -204,7 +210,9 @@ class Lead:
         st, clock = self.state, clock or PhaseClock()
         if self.publishing is not None and self.publishing.done():
             self.publishing.result()  # a publication that failed stops the run now, not at the next checkpoint
-        weights = await asyncio.to_thread(self.trainer.snapshot)
+        fresh = st.step != self.copied  # else only the counts changed (groups dropped): the file is announced again
+        weights = await asyncio.to_thread(self.trainer.snapshot) if fresh else None
+        self.copied = st.step
         clock.lap("time_publish")
         version = {"version": st.step, "step": st.step, "final": final}
         counts = {"groups_consumed": st.groups_consumed, "groups_dropped": st.groups_dropped}
@@ -213,10 +221,12 @@ class Lead:
         if final:
             await self.published()
 
-    async def publish(self, weights: dict, fields: dict, before: list, snapped: float) -> None:
+    async def publish(self, weights: dict | None, fields: dict, before: list, snapped: float) -> None:
         for awaited in filter(None, before):
             await awaited
-        path, digest = await asyncio.to_thread(self.trainer.publish, weights, fields["version"])
+        if weights is not None:
+            self.written = await asyncio.to_thread(self.trainer.publish, weights, fields["version"])
+        path, digest = self.written
         announcement = WeightVersion(uri=str(path.resolve()), content_hash=digest, **fields)
         await self.outbox.send_now("weights", announcement, headers=signed_headers(self.key, announcement))
         self.publish_lag = time.perf_counter() - snapped
