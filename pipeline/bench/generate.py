@@ -190,6 +190,23 @@ def step_costs(model, prompts: list[list[int]], lengths: list[int], s: Settings)
     }
 
 
+def matmul_ceiling(model, rows: int, repeats: int) -> dict:
+    """Tokens/s if a decode step were nothing but its matmuls: every weight matrix of the model (the layers'
+    projections and the LM head) applied to `rows` random rows, best of `repeats`. What no engine can beat at
+    this batch on this machine; the engine's share of it says how much of a step is not matmul."""
+    weights = [p for p in model.parameters() if p.dim() == 2 and p is not model.get_input_embeddings().weight]
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
+    times = []
+    with torch.inference_mode():
+        for _ in range(max(5, repeats)):
+            start = time.perf_counter()
+            for w in weights:
+                torch.nn.functional.linear(inputs[w.shape[1]], w)  # [rows, out]
+            synchronize(weights[0].device)
+            times.append(time.perf_counter() - start)
+    return {"rows": rows, "pass_ms": round(1000 * min(times), 3), "tokens_per_s": round(rows / min(times), 1)}
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued CUDA work, so that a timed region ends when its work does (nothing to wait for on CPU)."""
     if device.type == "cuda":
@@ -256,9 +273,14 @@ def benchmark(s: Settings) -> dict:
     }
     warm_up(model, prompts, s)
     results = compare(model, prompts, scenarios, s)
+    ceiling = matmul_ceiling(model, s.concurrency, s.repeats)
     return {
         "speedup_vs_hf": results["long_tailed"]["speedup_vs_hf"],
         "speedup_vs_hf_fixed": results["fixed"]["speedup_vs_hf"],
+        "matmul_ceiling": ceiling,  # the engine's long-tailed tok/s over it: its share of the ceiling
+        "engine_share_of_matmul_ceiling": round(
+            results["long_tailed"]["engine"]["tokens_per_s"] / ceiling["tokens_per_s"], 3
+        ),
         "scenarios": results,
         "step_costs": step_costs(model, prompts, scenarios["long_tailed"], s),
         "settings": {
@@ -310,6 +332,11 @@ def table(report: dict) -> str:
     lines.append(
         "speedup in process CPU time: "
         + ", ".join(f"{name} {r['speedup_vs_hf_cpu']:.2f}x" for name, r in report["scenarios"].items())
+    )
+    ceiling = report["matmul_ceiling"]
+    lines.append(
+        f"matmul ceiling at {ceiling['rows']} rows: {ceiling['tokens_per_s']:.0f} tok/s (every weight matrix once, "
+        f"{ceiling['pass_ms']} ms); the engine's long-tailed run reaches {report['engine_share_of_matmul_ceiling']:.0%}"
     )
     costs = report["step_costs"]
     decode = costs["decode_step_ms"]

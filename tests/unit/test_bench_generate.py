@@ -39,5 +39,9 @@ def test_bench_generate_writes_its_headline_and_settings(tmp_path, capsys):
     costs = result["step_costs"]  # what interruption costs: decode steps by rows, a full re-prefill
     assert set(costs["decode_step_ms"]) == {"1", "4", "16"} and min(costs["decode_step_ms"].values()) > 0
     assert costs["reprefill_ms"] > 0 and costs["reprefill_rows"] > 0
+    ceiling = result["matmul_ceiling"]  # the matmuls alone at the bench's concurrency, and the engine's share
+    assert ceiling["rows"] == 4 and ceiling["tokens_per_s"] > 0
+    share = result["scenarios"]["long_tailed"]["engine"]["tokens_per_s"] / ceiling["tokens_per_s"]
+    assert result["engine_share_of_matmul_ceiling"] == round(share, 3) > 0
     printed = capsys.readouterr().out
-    assert "speedup" in printed and "re-prefilling" in printed
+    assert "speedup" in printed and "re-prefilling" in printed and "matmul ceiling at 4 rows" in printed
