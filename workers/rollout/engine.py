@@ -92,7 +92,8 @@ Linear = tuple[torch.Tensor, torch.Tensor | None]  # weight [out, in] (maybe a t
 
 @dataclass(slots=True)
 class LayerWeights:
-    """One decoder layer's tensors, gathered at refresh: a module attribute lookup per step costs a fair part of an op."""
+    """One decoder layer's tensors, gathered at refresh: a module attribute lookup per step costs a fair part
+    of an op."""
 
     attn_norm: torch.Tensor  # [H]
     qkv: list[Linear]  # one linear to [Hq*D + 2*Hkv*D], or q, k and v
