@@ -207,7 +207,14 @@ class Source:
         return (
             self.released < needed
             and not self.exhausted
-            and may_release(self.released, version.version, cfg.batch_groups, cfg.max_staleness, version.groups_dropped)
+            and may_release(
+                self.released,
+                version.version,
+                cfg.batch_groups,
+                cfg.max_staleness,
+                version.groups_dropped,
+                headroom=cfg.skip_uniform_groups,  # groups a step may drop: their replacements start early
+            )
         )
 
     def next_group(self, version: WeightVersion) -> PromptGroup:
