@@ -207,14 +207,7 @@ class Source:
         return (
             self.released < needed
             and not self.exhausted
-            and may_release(
-                self.released,
-                version.version,
-                cfg.batch_groups,
-                cfg.max_staleness,
-                version.groups_dropped,
-                headroom=cfg.skip_uniform_groups,  # groups a step may drop: their replacements start early
-            )
+            and may_release(self.released, version.version, cfg.batch_groups, cfg.max_staleness, version.groups_dropped)
         )
 
     def next_group(self, version: WeightVersion) -> PromptGroup:

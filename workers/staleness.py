@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 
-def may_release(
-    released: int, version: int, batch_groups: int, max_staleness: int, dropped: int, headroom: int = 0
-) -> bool:
-    """True while another group may be released: N < (i + eta + 1) * B + dropped + headroom.
+def may_release(released: int, version: int, batch_groups: int, max_staleness: int, dropped: int) -> bool:
+    """True while another group may be released: N < (i + eta + 1) * B + dropped.
 
     released: groups released so far (N); version: latest trainer version (i);
-    dropped: groups the trainer discarded, which free their slots again; headroom: groups released
-    ahead of drops the trainer has not reported yet (trainer.skip_uniform_groups), so that their
-    replacements are generated while the report travels. Staleness stays bounded all the same: the
-    trainer drops a group it could only train past v + eta.
+    dropped: groups the trainer discarded, which free their slots again.
     """
-    return released < (version + max_staleness + 1) * batch_groups + dropped + headroom
+    return released < (version + max_staleness + 1) * batch_groups + dropped
 
 
 def staleness(trainer_version: int, released_at_version: int) -> int:

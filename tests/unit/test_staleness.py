@@ -16,13 +16,6 @@ def test_dropped_groups_free_their_slots():
     assert not may_release(43, version=0, batch_groups=8, max_staleness=4, dropped=3)
 
 
-def test_headroom_releases_that_many_groups_ahead_of_unreported_drops():
-    # skip_uniform_groups = 16: 40 + 16 groups out at version 0, the drops reported still add their slots
-    assert may_release(55, version=0, batch_groups=8, max_staleness=4, dropped=0, headroom=16)
-    assert not may_release(56, version=0, batch_groups=8, max_staleness=4, dropped=0, headroom=16)
-    assert may_release(58, version=0, batch_groups=8, max_staleness=4, dropped=3, headroom=16)
-
-
 def test_eta_zero_is_synchronous():
     # only the batch of the current version may be out
     assert may_release(7, version=0, batch_groups=8, max_staleness=0, dropped=0)
