@@ -122,9 +122,9 @@ class GroupBuffer:
         ]
         version, count = self.uniform_dropped
         so_far = count if version == trainer_version else 0
-        uniform = [g for g in self.groups.values() if g.complete and g.uniform_reward() is not None]
-        uniform = sorted(uniform, key=lambda g: g.release_index)[: max(skip_uniform - so_far, 0)]
-        if uniform:
+        if skip_uniform > so_far:  # else no group is judged: the poll loop calls this often
+            uniform = [g for g in self.groups.values() if g.complete and g.uniform_reward() is not None]
+            uniform = sorted(uniform, key=lambda g: g.release_index)[: skip_uniform - so_far]
             self.uniform_dropped = (trainer_version, so_far + len(uniform))
             dropped += [self._drop_uniform(g) for g in uniform]
         due = [
