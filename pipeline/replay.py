@@ -492,7 +492,8 @@ async def rescore_run(source: RunTopics, config: RunConfig, args: argparse.Names
         raise ConfigError(
             f"--reward: {exc if isinstance(exc, ValueError) else f'{type(exc).__name__}: {exc}'}"
         ) from None
-    processes = config.reward.processes if args.processes is None else args.processes
+    # a new reward function is not trusted the way a run's inline one was: at least one scoring process
+    processes = max(config.reward.processes, 1) if args.processes is None else args.processes
     timeout_s = config.reward.timeout_s if args.timeout is None else args.timeout
     if processes < 1 or timeout_s <= 0:
         raise ConfigError("--processes and --timeout must be positive")

@@ -125,7 +125,15 @@ class RolloutConfig(Section):
 
 
 class RewardConfig(Section):
-    processes: Annotated[int, doc("size of the scoring process pool", ge=1)] = 1
+    processes: Annotated[
+        int,
+        doc(
+            "size of the scoring process pool; 0 = the task's own verifier (data.reward 'builtin') scores in the "
+            "reward worker itself, with no time limit and no isolation, for a fast one you trust not to hang or "
+            "crash (the shipped arith and chain tasks'); any other reward function then gets a pool of one",
+            ge=0,
+        ),
+    ] = 1
     max_processes: Annotated[
         int,
         doc(

@@ -239,7 +239,8 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
     source = Source(config, rows, released)
     ctx.log.info("prompt source started", rows=len(rows), bad_rows=len(bad), already_released=source.released)
     async with ctx.transport.outbox() as outbox, ctx.transport.weights_follower(outbox, origin=ctx.id) as inbox:
-        weights = WeightsFollower(inbox, AnnouncementCheck(load_key(ctx.run_dir)))  # signed, file whole
+        # signed, and the file there: the source loads no weights, so it leaves their sha256 to the workers that do
+        weights = WeightsFollower(inbox, AnnouncementCheck(load_key(ctx.run_dir), verify_file=False))
         for row in bad if not released else ():  # a restarted source sent them already
             letter = DeadLetter(
                 origin=ctx.id,

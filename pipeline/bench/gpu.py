@@ -6,7 +6,7 @@ own, so that a failing one does not hide the others' results, then prints a summ
 
 - generate-bf16: `bench generate --device cuda --dtype bfloat16`, the engine against Hugging Face generate;
 - microbatch: `bench microbatch --device cuda` on a ~130M-parameter Qwen2 (the paper's +30 % is a GPU effect);
-- packed-attention: the trainer's packed logprobs of variable-length rows on CUDA, through its per-sequence SDPA
+- packed-attention: the trainer's packed logprobs of variable-length rows on CUDA, through its chunked SDPA
   loop and through FlexAttention (one kernel over the packed row, the sequences as a block mask), float32 and
   bfloat16, against the trainer's CPU path;
 - nccl-1-rank, nccl-2-ranks: trainer steps of FSDP2 ranks under torchrun over NCCL against one process;
@@ -246,7 +246,7 @@ def flex_kernel(device_type: str):
 
 def flex_packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """The trainer's packed attention (query [1, H, L, D], key/value [1, Hkv, L, D] -> [1, L, H, D]) as one
-    FlexAttention call over the whole row, instead of an SDPA call per sequence."""
+    FlexAttention call over the whole row, instead of an SDPA call per chunk of sequences."""
     bounds = kwargs.get("cu_seq_lens_q")
     if bounds is None or dropout or kwargs.get("sliding_window") is not None:
         raise NotImplementedError("flex packed attention: packed inputs, no dropout, no sliding window")
@@ -265,21 +265,21 @@ def packed_kernel(function: Callable) -> Iterator[None]:
     """The trainer's PACKED_ATTENTION served by `function` for a while, then by its own SDPA loop again."""
     from transformers import AttentionInterface
 
-    from workers.trainer.packing import PACKED_ATTENTION, per_sequence_attention
+    from workers.trainer.packing import PACKED_ATTENTION, chunked_attention
 
     AttentionInterface.register(PACKED_ATTENTION, function)
     try:
         yield
     finally:
-        AttentionInterface.register(PACKED_ATTENTION, per_sequence_attention)
+        AttentionInterface.register(PACKED_ATTENTION, chunked_attention)
 
 
 def packed_differences(device: str, dtypes: tuple[str, ...]) -> dict[str, float]:
     """Largest |log pi difference| over a variable-length batch between the trainer's CPU path (`packed_logprobs`:
-    packed, SDPA per sequence, float32) and the same on `device` per kernel and compute dtype."""
+    packed, chunked SDPA, float32) and the same on `device` per kernel and compute dtype."""
     import torch
 
-    from workers.trainer.packing import per_sequence_attention
+    from workers.trainer.packing import chunked_attention
     from workers.trainer.step import packed_logprobs
 
     model, batch = small_qwen("cpu"), variable_batch("cpu")
@@ -287,7 +287,7 @@ def packed_differences(device: str, dtypes: tuple[str, ...]) -> dict[str, float]
     with torch.no_grad():
         reference = packed_logprobs(model, batch, temperature=1.0)[0]  # [N, T-1], 0 where nothing is predicted
         model, batch = model.to(device), batch.to(device)
-        for kernel, function in (("sdpa-per-sequence", per_sequence_attention), ("flex", flex_packed_attention)):
+        for kernel, function in (("sdpa-chunked", chunked_attention), ("flex", flex_packed_attention)):
             with packed_kernel(function):
                 for dtype in dtypes:
                     got = packed_logprobs(model, batch, 1.0, getattr(torch, dtype))[0].cpu()

@@ -2,6 +2,7 @@
 signals to the whole process group ignored by the scorers."""
 
 import asyncio
+import multiprocessing
 import os
 import signal
 import time
@@ -9,7 +10,7 @@ import time
 import pytest
 
 from workers.reward import functions
-from workers.reward.pool import ScoringPool
+from workers.reward.pool import InlineScoring, ScoringPool, scoring
 
 SPEC = "reward_plugins:judge"
 
@@ -36,6 +37,30 @@ async def test_failures_become_details_not_crashes():
         assert reward is None and "finite" in details["error"]
     finally:
         pool.close()
+
+
+def test_only_the_tasks_own_verifier_scores_inline():
+    inline, pool = scoring("builtin", 0, 10, "arith", 1), scoring(SPEC, 0, 10, "arith", 1)  # a user's function
+    try:
+        assert isinstance(inline, InlineScoring) and isinstance(pool, ScoringPool) and pool.processes == 1
+    finally:
+        inline.close(), pool.close()
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "pool"])
+async def test_inline_scoring_keeps_the_pools_contract(inline):
+    """The same rewards and failure details whether scored in the worker's own process or in a scoring process."""
+    scorer = InlineScoring(SPEC, "arith") if inline else ScoringPool(SPEC, 1, 20)
+    processes = 0 if inline else 1
+    try:
+        assert await scorer.score("p", "42", {"answer": "42"}) == (1.0, {"prompt_seen": "p"})
+        assert bool(multiprocessing.active_children()) == (processes > 0)  # inline: no scoring process at all
+        reward, details = await scorer.score("p", "raise", {"answer": "42"})
+        assert reward is None and "the user's verifier broke" in details["error"] and details["failure"]
+        reward, details = await scorer.score("p", "nan", {"answer": "42"})
+        assert reward is None and details["failure"] == "invalid"
+    finally:
+        scorer.close()
 
 
 async def test_a_hang_times_out_and_innocent_calls_are_scored():

@@ -5,9 +5,10 @@ import copy
 import pytest
 import torch
 
+from workers.trainer import packing
 from workers.trainer.losses import LossSettings, decoupled_ppo_loss
 from workers.trainer.microbatch import allocator
-from workers.trainer.packing import pack
+from workers.trainer.packing import block_causal_mask, chunks, pack
 from workers.trainer.step import Row, accumulate_gradients, collate, token_logprobs
 
 torch.set_num_threads(1)
@@ -24,6 +25,24 @@ def test_pack_by_hand():
     assert packed.index.tolist() == [[0, 1, 0], [3, 0, 0], [0, 0, 0]]
     # packed position 2 predicts across sequences (5 -> 6) and must not come back
     assert packed.unpack(torch.tensor([10.0, 11.0, 12.0, 13.0, 14.0])).tolist() == [[10, 11, 0], [13, 0, 0], [0, 0, 0]]
+
+
+def test_chunks_group_neighbouring_sequences_up_to_the_limit_and_a_longer_one_alone():
+    # sequences of 3, 2, 1, 9, 2, 2 positions
+    assert chunks([0, 3, 5, 6, 15, 17, 19], limit=6) == [[0, 3, 5, 6], [6, 15], [15, 17, 19]]
+    assert chunks([0, 3, 5, 6, 15, 17, 19], limit=100) == [[0, 3, 5, 6, 15, 17, 19]]
+    assert chunks([0, 3, 5, 6, 15, 17, 19], limit=1) == [[0, 3], [3, 5], [5, 6], [6, 15], [15, 17], [17, 19]]
+
+
+def test_block_causal_mask_by_hand():
+    got = block_causal_mask([4, 6, 7, 9], torch.device("cpu")).int().tolist()  # sequences of 2, 1 and 2
+    assert got == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [0, 0, 1, 0, 0],
+        [0, 0, 0, 1, 0],
+        [0, 0, 0, 1, 1],
+    ]
 
 
 def random_sequences(n: int, seed: int = 0, tools: bool = False):
@@ -45,8 +64,10 @@ def padded_logprobs(model, batch):
     return torch.log_softmax(logits, dim=-1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)  # [N, T-1]
 
 
+@pytest.mark.parametrize("chunk_tokens", [packing.CHUNK_TOKENS, 7, 1], ids=["default", "mixed", "one by one"])
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
-def test_packed_logprobs_equal_padded(attn_implementation, tiny_qwen2):
+def test_packed_logprobs_equal_padded(attn_implementation, chunk_tokens, tiny_qwen2, monkeypatch):
+    monkeypatch.setattr(packing, "CHUNK_TOKENS", chunk_tokens)  # sequences attended alone, in runs, or mixed
     model = tiny_qwen2(attn_implementation)
     batch = collate(*random_sequences(6), pad_id=0)
     valid = batch.attention_mask[:, 1:].bool()  # [N, T-1] positions that predict a real token

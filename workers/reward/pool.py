@@ -114,6 +114,30 @@ class _Scorer:
         self.conn.close()
 
 
+class InlineScoring:
+    """Scoring in the reward worker's own process (reward.processes = 0 with the task's own verifier): no
+    process, pipe or time limit per call, for a fast verifier trusted not to hang or kill the worker (the shipped
+    tasks'). A function that raises or returns no reward still costs one failure reward, as in the pool."""
+
+    def __init__(self, spec: str, task: str):
+        self.fn = functions.load(spec, task)
+
+    async def score(self, prompt: str, completion: str, metadata: dict[str, str]) -> Result:
+        status, value = _call(self.fn, prompt, completion, metadata)
+        return value if status == "ok" else (None, value)
+
+    def close(self) -> None:
+        pass
+
+
+def scoring(spec: str, processes: int, timeout_s: float, task: str, max_processes: int) -> ScoringPool | InlineScoring:
+    """Where the reward function runs: a pool of `processes` scoring processes; with 0, the task's own verifier
+    ('builtin') in the caller's process, and any other function in a pool of one."""
+    if processes == 0 and spec == "builtin":
+        return InlineScoring(spec, task)
+    return ScoringPool(spec, max(processes, 1), timeout_s, task, max_processes)
+
+
 class ScoringPool:
     def __init__(
         self, spec: str, processes: int, timeout_s: float, task: str = "arith", max_processes: int | None = None

@@ -26,7 +26,7 @@ from topics.tracing import trace_headers
 from topics.transport import Delivery, Inbox, Outbox, Transport
 from workers import runtime
 from workers.reward.budget import EXIT_CODE, RewardFailures
-from workers.reward.pool import ScoringPool
+from workers.reward.pool import scoring
 from workers.vocab import outside_vocab
 
 METRICS_PERIOD_S = 1.0
@@ -79,7 +79,7 @@ class Scorer:
         self.tokenizer = AutoTokenizer.from_pretrained(ctx.config.model.path)
         self.vocab = AutoConfig.from_pretrained(ctx.config.model.path).get_text_config().vocab_size
         data, reward = ctx.config.data, ctx.config.reward
-        self.pool = ScoringPool(data.reward, reward.processes, reward.timeout_s, data.task, reward.max_processes)
+        self.pool = scoring(data.reward, reward.processes, reward.timeout_s, data.task, reward.max_processes)
         self.failures = RewardFailures(reward.max_failure_rate, reward.failure_window)
         self.tasks: set[asyncio.Task] = set()
         self.error: BaseException | None = None  # a scoring task's unexpected exception: the loop re-raises it

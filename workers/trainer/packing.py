@@ -2,16 +2,19 @@
 
 Each sequence keeps its own positions (restarting at 0) and attends only to its own
 earlier tokens: the packed row goes through the model with attention registered as
-`PACKED_ATTENTION`, which runs causal SDPA on each sequence's slice of the row
-(`cu_seq_lens_q` marks them, the variable-length convention of Hugging Face's
-flash-attention path). Attention then costs the sum of squared sequence lengths, not
-the square of the packed length, and no [L, L] mask is built; a packed forward pass
-computes what the padded one does without spending compute on padding.
+`PACKED_ATTENTION` (`cu_seq_lens_q` marks the sequences, the variable-length convention
+of Hugging Face's flash-attention path). Neighbouring short sequences are attended
+together, in chunks of up to CHUNK_TOKENS packed positions, by one SDPA call with a
+block-diagonal causal mask; a longer sequence alone, by causal SDPA without a mask.
+Attention then costs at most the sum of squared chunk lengths, never the square of the
+packed length, and no [L, L] mask is built; one call per chunk rather than per sequence
+matters where sequences are short (64 arith answers of ~9 tokens: 4 calls per layer, not
+64, and the forward and backward pass of the step 1.5x faster on a CPU core). A packed
+pass computes what the padded one does without spending compute on padding.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 
 PACKED_ATTENTION = "asyncrl_packed"
+CHUNK_TOKENS = 128  # packed positions attended by one call: wasted masked work (~len^2) against per-call overhead
 
 
 @dataclass
@@ -57,7 +61,26 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
     )
 
 
-def per_sequence_attention(
+def chunks(bounds: list[int], limit: int) -> list[list[int]]:
+    """The sequence bounds (cu_seqlens) cut into runs of consecutive sequences spanning at most `limit` positions
+    each (a longer sequence makes a run of its own): each run's bounds, first to last."""
+    runs = [[bounds[0]]]
+    for end in bounds[1:]:
+        if end - runs[-1][0] > limit and len(runs[-1]) > 1:
+            runs.append([runs[-1][-1]])
+        runs[-1].append(end)
+    return runs
+
+
+def block_causal_mask(run: list[int], device: torch.device) -> torch.Tensor:
+    """[n, n] True where position i may attend to j: both in the same sequence of the run, j <= i."""
+    lengths = torch.tensor(run, device=device).diff()  # [S]
+    owner = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)  # [n]
+    order = torch.arange(run[-1] - run[0], device=device)  # [n]
+    return (owner[:, None] == owner[None, :]) & (order[None, :] <= order[:, None])  # [n, n]
+
+
+def chunked_attention(
     module,
     query,
     key,
@@ -69,29 +92,33 @@ def per_sequence_attention(
     sliding_window=None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Causal SDPA over each packed sequence alone: query [1, H, L, D], key/value [1, Hkv, L, D] -> [1, L, H, D]."""
+    """Causal SDPA within each packed sequence, a chunk of sequences per call (`chunks`):
+    query [1, H, L, D], key/value [1, Hkv, L, D] -> [1, L, H, D]."""
     if cu_seq_lens_q is None:
         raise ValueError(f"attention {PACKED_ATTENTION!r} needs packed inputs (Packed.model_inputs())")
     if sliding_window is not None:
         raise NotImplementedError("packed attention with a sliding window is not implemented")
-    bounds = cu_seq_lens_q.tolist()
     grouped = query.shape[1] != key.shape[1]
-    parts = [
-        F.scaled_dot_product_attention(
-            query[:, :, s:e],
-            key[:, :, s:e],
-            value[:, :, s:e],
-            dropout_p=dropout,
-            is_causal=True,
-            scale=scaling,
-            enable_gqa=grouped,
-        )  # [1, H, e-s, D]
-        for s, e in itertools.pairwise(bounds)
-    ]
+    parts = []
+    for run in chunks(cu_seq_lens_q.tolist(), CHUNK_TOKENS):
+        s, e = run[0], run[-1]
+        one = len(run) == 2  # a single sequence: plain causal attention, no mask
+        parts.append(
+            F.scaled_dot_product_attention(
+                query[:, :, s:e],
+                key[:, :, s:e],
+                value[:, :, s:e],
+                attn_mask=None if one else block_causal_mask(run, query.device),
+                dropout_p=dropout,
+                is_causal=one,
+                scale=scaling,
+                enable_gqa=grouped,
+            )  # [1, H, e-s, D]
+        )
     return torch.cat(parts, dim=2).transpose(1, 2), None  # [1, L, H, D]
 
 
-AttentionInterface.register(PACKED_ATTENTION, per_sequence_attention)
+AttentionInterface.register(PACKED_ATTENTION, chunked_attention)
 AttentionMaskInterface.register(PACKED_ATTENTION, lambda *args, **kwargs: None)  # sequences are the mask
 
 

@@ -65,6 +65,7 @@ def new_manifest(
     groups: list[Group], version: int, resume: dict[int, int], dropped: list[DroppedGroup]
 ) -> BatchManifest:
     """The record of the step about to be taken from `version`, written before it."""
+    uniform = [g.prompt_id for g in groups if g.uniform_reward() is not None]
     return BatchManifest(
         step=version + 1,
         trainer_version=version,
@@ -72,6 +73,7 @@ def new_manifest(
         scored_offsets=[where for g in groups for _, where in g.trajectories()],
         consumed_offsets=sorted(resume.items()),
         dropped=dropped,
+        uniform=uniform + [d.prompt_id for d in dropped if d.reason.startswith(UNIFORM)],
     )
 
 
