@@ -77,6 +77,19 @@ def test_packed_logprobs_equal_padded(attn_implementation, chunk_tokens, tiny_qw
     torch.testing.assert_close(got[valid], want[valid], rtol=0, atol=1e-5)
 
 
+def test_packed_bfloat16_logprobs_stay_near_float32(tiny_qwen2):
+    """Under bfloat16 autocast the matmuls run in bfloat16 but attention in float32 (CPU bfloat16 SDPA is slow):
+    the logprobs stay within bfloat16's rounding of the float32 ones."""
+    model = tiny_qwen2()
+    batch = collate(*random_sequences(6), pad_id=0)
+    valid = batch.attention_mask[:, 1:].bool()  # [N, T-1]
+    with torch.no_grad():
+        want = token_logprobs(model, batch, 1.0)
+        got = token_logprobs(model, batch, 1.0, dtype=torch.bfloat16)
+    assert got.dtype == torch.float32 and not torch.equal(got[valid], want[valid])  # really computed in bfloat16
+    torch.testing.assert_close(got[valid], want[valid], rtol=0, atol=0.05)
+
+
 LOSS_OPTIONS = [  # caps that hit some tokens / sequences of the batch below (its sequence weights are 0.01-0.81)
     dict(
         aggregation="token_mean", behaviour_weight_level="token", behaviour_weight_mode="cap", behaviour_weight_cap=1.5

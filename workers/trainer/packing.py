@@ -98,24 +98,30 @@ def chunked_attention(
         raise ValueError(f"attention {PACKED_ATTENTION!r} needs packed inputs (Packed.model_inputs())")
     if sliding_window is not None:
         raise NotImplementedError("packed attention with a sliding window is not implemented")
-    grouped = query.shape[1] != key.shape[1]
-    parts = []
-    for run in chunks(cu_seq_lens_q.tolist(), CHUNK_TOKENS):
-        s, e = run[0], run[-1]
-        one = len(run) == 2  # a single sequence: plain causal attention, no mask
-        parts.append(
-            F.scaled_dot_product_attention(
-                query[:, :, s:e],
-                key[:, :, s:e],
-                value[:, :, s:e],
-                attn_mask=None if one else block_causal_mask(run, query.device),
-                dropout_p=dropout,
-                is_causal=one,
-                scale=scaling,
-                enable_gqa=grouped,
-            )  # [1, H, e-s, D]
-        )
-    return torch.cat(parts, dim=2).transpose(1, 2), None  # [1, L, H, D]
+    grouped, dtype = query.shape[1] != key.shape[1], query.dtype
+    query, key, value = query.float(), key.float(), value.float()  # float32: CPU bfloat16 SDPA is slow, and coarse
+    with torch.autocast(query.device.type, enabled=False):  # which would cast them back
+        parts = [
+            attend(query, key, value, run, dropout, scaling, grouped)
+            for run in chunks(cu_seq_lens_q.tolist(), CHUNK_TOKENS)
+        ]
+    return torch.cat(parts, dim=2).to(dtype).transpose(1, 2), None  # [1, L, H, D]
+
+
+def attend(query, key, value, run: list[int], dropout: float, scale: float | None, grouped: bool) -> torch.Tensor:
+    """Causal SDPA within each sequence of a run of them, packed positions run[0]..run[-1]: [1, H, n, D]."""
+    s, e = run[0], run[-1]
+    one = len(run) == 2  # a single sequence: plain causal attention, no mask
+    return F.scaled_dot_product_attention(
+        query[:, :, s:e],
+        key[:, :, s:e],
+        value[:, :, s:e],
+        attn_mask=None if one else block_causal_mask(run, query.device),
+        dropout_p=dropout,
+        is_causal=one,
+        scale=scale,
+        enable_gqa=grouped,
+    )
 
 
 AttentionInterface.register(PACKED_ATTENTION, chunked_attention)
