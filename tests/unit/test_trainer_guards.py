@@ -15,13 +15,14 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.config import load_config, resolve
-from schemas.messages import BatchManifest, PromptGroup, Scored, WeightVersion, prompt_id_of
+from schemas.messages import BatchManifest, DroppedGroup, PromptGroup, Scored, WeightVersion, prompt_id_of
 from topics.memory import MemoryBroker, MemorySink, MemoryTransport
 from topics.names import TopicLayout
 from topics.transport import decode_or_error
 from workers import runtime
 from workers.trainer import step as step_module
 from workers.trainer import worker as trainer_worker
+from workers.trainer.buffer import GroupBuffer
 from workers.trainer.losses import LossSettings
 from workers.trainer.model import Trainer
 from workers.trainer.step import StepSettings, collate, train_step
@@ -207,7 +208,25 @@ async def test_with_skip_uniform_groups_a_group_without_advantage_is_recorded_dr
         ("p0", "uniform: all 2 samples scored 1 (no advantage)"),
         ("p2", "uniform: all 2 samples scored 0 (no advantage)"),
     ]
+    assert [m.uniform for m in manifests] == [["p0", "p2"], []]  # both dropped before the first step: no advantage
     announced = transport.broker.messages("weights", WeightVersion)
     assert announced[-1].groups_dropped == 2 and announced[-1].groups_consumed == 2
     assert [a.version for a in announced] == [0, 0, 1, 2]  # drops announce their version's file again...
     assert written == [0, 1, 2]  # ...without writing it again
+
+
+def test_a_manifest_lists_the_groups_without_advantage_it_trains_and_drops():
+    buffer = GroupBuffer()  # u0: both samples scored 1; m1: one scored 0, an advantage
+    for index, (prompt_id, rewards) in enumerate([("u0", (1.0, 1.0)), ("m1", (1.0, 0.0))]):
+        for sample, reward in enumerate(rewards):
+            trajectory = Scored(
+                trajectory_id=f"{prompt_id}/{sample}", prompt_id=prompt_id, sample_index=sample, n_samples=2,
+                release_index=index, released_at_version=0, attempt="w:0", prompt_tokens=[1], completion_tokens=[2],
+                logprobs=[-0.5], versions=[0], finish_reason="stop", num_segments=1, reward=reward,
+            )  # fmt: skip
+            buffer.add(trajectory, (0, 2 * index + sample))
+    batch, _ = buffer.take(2, 0, 4)
+    drop = DroppedGroup(prompt_id="u9", reason="uniform: all 2 samples scored 0 (no advantage)")
+    stale = DroppedGroup(prompt_id="s8", reason="stale: released at v0, trainer at v5, staleness 5 > max_staleness 4")
+    manifest = trainer_worker.new_manifest(batch, 0, {}, [drop, stale])
+    assert manifest.uniform == ["u0", "u9"]  # trained without advantage, then dropped for it; never the stale one

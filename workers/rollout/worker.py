@@ -266,6 +266,7 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
     ctx = runtime.WorkerContext.start(config, "rollout", transport)
     torch.set_num_threads(config.rollout.threads)
     interrupt, metrics = config.rollout.interrupt, ctx.metrics()
+    building = asyncio.ensure_future(asyncio.to_thread(make_engine, config))  # meanwhile the group join waits
     async with (
         ctx.transport.outbox() as outbox,
         ctx.transport.inbox(
@@ -274,7 +275,7 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
         ctx.transport.weights_follower(outbox, origin=ctx.id) as weights_inbox,
     ):
         check = AnnouncementCheck(load_key(ctx.run_dir), verify_file=False)  # `load` verifies the sha256
-        rollout, weights, waiting = Rollout(ctx, outbox, make_engine(config)), WeightsFollower(weights_inbox, check), []
+        rollout, weights, waiting = Rollout(ctx, outbox, await building), WeightsFollower(weights_inbox, check), []
         cores = ledger_for(config, ctx.run_dir)  # None: the worker keeps rollout.threads throughout
         ctx.log.info("rollout started", max_batch=config.rollout.max_batch, interrupt=interrupt)
         last_report = time.monotonic()
