@@ -105,6 +105,8 @@ def cores_line(cores: dict) -> str:
     """`cores_given` in one line."""
     roles = ", ".join(
         f"{role} {cores[role]['processes']} process(es) x {cores[role]['threads']} thread(s)"
+        if cores[role]["processes"] or role != "reward"
+        else "reward scored in the reward worker (reward.processes=0)"
         for role in ("rollout", "trainer", "reward")
     )
     return (

@@ -116,6 +116,8 @@ def test_cores_given_per_role_against_the_machine():
         "cores given: rollout 2 process(es) x 3 thread(s), trainer 2 process(es) x 1 thread(s), "
         "reward 4 process(es) x 1 thread(s); 12 threads in all on 8 usable cores (machine: 16)"
     )
+    inline = cores_given(task_config("arith", []), cpu_count=2, usable_cores=2)  # arith.yaml: reward.processes=0
+    assert "reward scored in the reward worker (reward.processes=0)" in cores_line(inline)
 
 
 def test_the_table_names_the_task_and_the_cores_given_and_used():
@@ -143,7 +145,7 @@ def test_the_table_names_the_task_and_the_cores_given_and_used():
     assert lines[2] == "async                       2915.0    0.500          3000.0      4.00          12          97%"
     assert lines[3] == (
         "cores given: rollout 1 process(es) x 1 thread(s), trainer 1 process(es) x 1 thread(s), "
-        "reward 1 process(es) x 1 thread(s); 3 threads in all on 2 usable cores (machine: 2)"
+        "reward scored in the reward worker (reward.processes=0); 2 threads in all on 2 usable cores (machine: 2)"
     )
     assert lines[4] == "async cores used: trainer 0.90, rollout 0.83 (total 1.73)"
     assert lines[5:] == [
