@@ -157,8 +157,8 @@ class BatchManifest(Message, kw_only=True):
     scored_offsets: list[tuple[int, int]]  # trainer: (partition, offset) in `scored` of each trajectory
     consumed_offsets: list[tuple[int, int]]  # trainer: (partition, next offset) read so far
     dropped: list[DroppedGroup] = []  # trainer: groups dropped since the previous manifest
-    uniform: list[str] = []  # trainer: prompt ids, of those trained or dropped, whose samples all scored alike;
-    # source: passes over their rows more often (data.pass_over_uniform)
+    uniform: list[str] = []  # trainer: prompt ids, of those trained or dropped, whose samples all scored alike
+    # (no advantage); readers: which prompts taught nothing
 
 
 class DeadLetter(Message, kw_only=True):

@@ -8,13 +8,16 @@ together, in chunks of up to CHUNK_TOKENS packed positions, by one SDPA call wit
 block-diagonal causal mask; a longer sequence alone, by causal SDPA without a mask.
 Attention then costs at most the sum of squared chunk lengths, never the square of the
 packed length, and no [L, L] mask is built; one call per chunk rather than per sequence
-matters where sequences are short (64 arith answers of ~9 tokens: 4 calls per layer, not
-64, and the forward and backward pass of the step 1.5x faster on a CPU core). A packed
-pass computes what the padded one does without spending compute on padding.
+matters where sequences are short (64 arith rows of ~9 tokens: 5 calls per layer, not 64,
+and the step's forward and backward pass 1.2x faster on a CPU core). On a CPU, attention
+runs in float32 under bfloat16 autocast: there bfloat16 SDPA is slow (its backward was the
+slowest op of the step) and coarse, while the matmuls gain from bfloat16. A packed pass
+computes what the padded one does without spending compute on padding.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -98,9 +101,10 @@ def chunked_attention(
         raise ValueError(f"attention {PACKED_ATTENTION!r} needs packed inputs (Packed.model_inputs())")
     if sliding_window is not None:
         raise NotImplementedError("packed attention with a sliding window is not implemented")
-    grouped, dtype = query.shape[1] != key.shape[1], query.dtype
-    query, key, value = query.float(), key.float(), value.float()  # float32: CPU bfloat16 SDPA is slow, and coarse
-    with torch.autocast(query.device.type, enabled=False):  # which would cast them back
+    grouped, dtype, on_cpu = query.shape[1] != key.shape[1], query.dtype, query.device.type == "cpu"
+    if on_cpu:  # float32 (see above), and no autocast to cast it back; on a GPU bfloat16 is the fast kernel
+        query, key, value = query.float(), key.float(), value.float()
+    with torch.autocast("cpu", enabled=False) if on_cpu else contextlib.nullcontext():
         parts = [
             attend(query, key, value, run, dropout, scaling, grouped)
             for run in chunks(cu_seq_lens_q.tolist(), CHUNK_TOKENS)
