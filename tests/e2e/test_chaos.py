@@ -16,7 +16,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_sigkilled_rollout_and_trainer_lose_nothing_train_nothing_twice_and_leave_nothing(tmp_path: Path) -> None:
-    steps, heard = 24, []
+    steps, heard = 48, []  # long enough for both kills to land while it works (a restart takes ~8 s)
     result = worker_run(Settings(tmp_path, steps=steps), ["rollout", "trainer"], 0, random.Random(0), heard.append)
     assert [kill.role for kill in result.kills] == ["rollout", "trainer"] and heard == result.kills
     assert all(0 < kill.trainer_step < steps for kill in result.kills)  # each landed while the run worked
