@@ -37,8 +37,8 @@ class BrokerConfig(Section):
         doc(
             "longest a worker's fetch waits at the broker for new records (Tansu answers only at this deadline, so "
             "it is latency per hop); 0 = 20 when trainer.max_staleness is 0 (every hop is on the critical path "
-            "of a synchronous step), else 50 (the pipeline runs ahead within the staleness bound, so latency is "
-            "mostly hidden, and fewer idle fetches leave the cores to generation and training)",
+            "of a synchronous step), else 200 (the pipeline runs ahead, so latency is hidden, and fewer idle "
+            "fetches leave the cores to generation and training)",
             ge=0,
         ),
     ] = 0
