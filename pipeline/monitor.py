@@ -91,12 +91,26 @@ class WandbStream:
         wandb.teardown()  # run.finish() may return before wandb-core has written the run's log; this waits for it
 
 
+def written(path: Path, timeout_s: float = 30.0) -> bool:
+    """Whether a version's file is there, waiting for it while no newer version's is: the trainer writes a
+    version after it reports the step (publication is off the step's path), versions in order, so a missing
+    file with a newer one beside it was deleted (the run keeps only its newest) and one without is on its way."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if any(other.name > path.name for other in path.parent.glob("v*.safetensors")) or time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def evaluate_version(config: RunConfig, run_dir: Path, evaluator: Evaluator, version: int) -> dict | None:
     """Score weight version `version` (0: the model as loaded, before training) and append its `eval` line to
     metrics.jsonl, its rows to eval/v<version>.jsonl; the line, or None when the version's file is gone. In the
     launcher's main thread: math-verify's parser (data.reward=math, chain) times itself with SIGALRM, which
     only the main thread may use."""
     weights = version_path(runtime.weights_dir(config), version) if version else None
+    if weights is not None and not written(weights):
+        return None
     result = evaluator.evaluate(weights)
     if result is None:
         return None
