@@ -31,6 +31,7 @@ MAX_RESTARTS = 3  # per worker; a worker that keeps failing ends the run as "fai
 ERROR_TAIL_LINES = 8  # of a failed worker's log, on the console
 EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)(:|$)")  # a traceback's last line
 EVAL_KEYS = ("n", "k", "pass_at_1", "pass_at_k", "maj_at_k", "length_p50", "length_p90")  # beside the accuracy
+VERSION_WRITE_WAIT_S = 30.0  # for the file of a step the trainer has reported: it writes versions off the step's path
 
 
 def read_metrics(path: Path, offset: int = 0) -> tuple[list[dict], int]:
@@ -91,7 +92,7 @@ class WandbStream:
         wandb.teardown()  # run.finish() may return before wandb-core has written the run's log; this waits for it
 
 
-def written(path: Path, timeout_s: float = 30.0) -> bool:
+def written(path: Path, timeout_s: float) -> bool:
     """Whether a version's file is there, waiting for it while no newer version's is: the trainer writes a
     version after it reports the step (publication is off the step's path), versions in order, so a missing
     file with a newer one beside it was deleted (the run keeps only its newest) and one without is on its way."""
@@ -103,13 +104,16 @@ def written(path: Path, timeout_s: float = 30.0) -> bool:
     return True
 
 
-def evaluate_version(config: RunConfig, run_dir: Path, evaluator: Evaluator, version: int) -> dict | None:
+def evaluate_version(
+    config: RunConfig, run_dir: Path, evaluator: Evaluator, version: int, wait_s: float = 0.0
+) -> dict | None:
     """Score weight version `version` (0: the model as loaded, before training) and append its `eval` line to
-    metrics.jsonl, its rows to eval/v<version>.jsonl; the line, or None when the version's file is gone. In the
+    metrics.jsonl, its rows to eval/v<version>.jsonl; the line, or None when the version's file is gone (or not
+    written within `wait_s`: only while the trainer runs can a missing file still come). In the
     launcher's main thread: math-verify's parser (data.reward=math, chain) times itself with SIGALRM, which
     only the main thread may use."""
     weights = version_path(runtime.weights_dir(config), version) if version else None
-    if weights is not None and not written(weights):
+    if weights is not None and not written(weights, wait_s):
         return None
     result = evaluator.evaluate(weights)
     if result is None:
@@ -206,7 +210,7 @@ def follow(
                 bar.update(max(line["step"] - step, 0))  # a restarted trainer repeats steps after its checkpoint
                 step = line["step"]
                 if evaluator and config.eval.every and step % config.eval.every == 0 and step < config.trainer.steps:
-                    measured = evaluate_version(config, run_dir, evaluator, step)
+                    measured = evaluate_version(config, run_dir, evaluator, step, VERSION_WRITE_WAIT_S)
                     if measured is not None:
                         accuracy = measured["heldout_accuracy"]
                 bar.set_postfix(

@@ -4,6 +4,7 @@ does, each `eval` line tagged with its version, and the report (summary.json, cu
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -112,3 +113,13 @@ def test_evaluation_scores_every_row_with_the_run_s_threads(demo_model_dir: Path
     rows = [json.loads(line) for line in (run_dir / "eval" / "v000000.jsonl").read_text().splitlines()]
     assert len(rows) == len(EVAL_ROWS) and [row["errors"] for row in rows] == [[]] * len(EVAL_ROWS)
     assert torch.get_num_threads() == config.rollout.threads
+
+
+def test_a_reported_version_s_file_is_waited_for_only_while_it_can_still_come(tmp_path: Path) -> None:
+    coming, gone = tmp_path / "v000003.safetensors", tmp_path / "v000001.safetensors"
+    threading.Timer(0.3, coming.write_bytes, [b"weights"]).start()  # the trainer writes it after its step line
+    assert monitor.written(coming, timeout_s=10)
+    assert not monitor.written(gone, timeout_s=10)  # a newer version is there: this one was deleted
+    started = time.monotonic()
+    assert not monitor.written(tmp_path / "v000004.safetensors", timeout_s=0)  # the trainer has stopped
+    assert time.monotonic() - started < 0.5
