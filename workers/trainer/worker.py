@@ -85,10 +85,12 @@ class Feed:
         self.buffer, self.releases, self.scored, self.vocab = buffer, releases, scored, vocab
         self.traces: dict[str, Context] = {}  # prompt id -> the trace its scored records carried
 
-    async def poll(self) -> None:
+    async def poll(self, wait_s: float) -> None:
+        """What has arrived; `wait_s`: how long to wait for a trajectory when none has (0 while a batch is ready:
+        waiting for the next record would stall the step it could start now)."""
         for delivery in await self.releases.poll(0):
             await self.release(delivery)
-        for delivery in await self.scored.poll(0.1):
+        for delivery in await self.scored.poll(wait_s):
             await self.take_in(delivery)
 
     async def release(self, delivery: Delivery[PromptGroup]) -> None:
@@ -313,8 +315,9 @@ async def lead(ctx: runtime.WorkerContext, trainer: Trainer, stop: asyncio.Event
         loop = Lead(ctx, trainer, outbox, Feed(buffer, releases, scored, trainer.vocab), redo)
         try:
             await loop.announce()
+            groups: list[Group] = []
             while st.step < cfg.steps and not stop.is_set():
-                await loop.feed.poll()
+                await loop.feed.poll(wait_s=0.0 if groups else 0.1)  # after a step, the next batch may be here
                 groups, manifest = await loop.next_batch()
                 if groups:
                     await loop.step(groups, manifest)
