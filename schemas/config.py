@@ -107,6 +107,14 @@ class RolloutConfig(Section):
     top_k: Annotated[int, doc("sample among the k most likely tokens; 0 = off", ge=0)] = 0
     max_new_tokens: Annotated[int, doc("completion length limit; 0 = the task's default", ge=0)] = 0
     interrupt: Annotated[bool, doc("interrupt in-flight sequences when new weights arrive")] = True
+    recompute_cache: Annotated[
+        bool,
+        doc(
+            "after an interruption, recompute the KV cache of every unfinished sequence with the new weights "
+            "(AReaL); false keeps the cache the old weights made and computes only the tokens after with the new "
+            "ones (an in-flight update, as PipelineRL's): no re-prefill per version; torch backend only"
+        ),
+    ] = True
     threads: Annotated[
         int, doc("torch CPU threads of each rollout worker; 0 = its share of the run's cores (see `cores`)", ge=0)
     ] = 0
@@ -356,6 +364,10 @@ class RunConfig(Section):
             )
         if self.data.system_prompt and self.data.template != "chat":
             raise ValueError("data.system_prompt needs data.template=chat (a raw prompt has no system turn)")
+        if self.rollout.backend == "vllm" and not self.rollout.recompute_cache:
+            raise ValueError(
+                "rollout.recompute_cache=false needs rollout.backend=torch (vLLM re-prefills a resumed request)"
+            )
         if self.rollout.workers > self.broker.partitions:
             raise ValueError(
                 f"rollout.workers={self.rollout.workers} needs broker.partitions >= {self.rollout.workers} "

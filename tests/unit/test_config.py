@@ -48,6 +48,7 @@ def test_round_trip_through_yaml(tmp_path):
         ("data.source=rows.jsonl data.reward=math", "needs model.path"),
         ("trainer.optim.minibatches=1000", "cannot exceed"),
         ("rollout.workers=3", "needs broker.partitions >= 3"),
+        ("rollout.backend=vllm rollout.recompute_cache=false", "needs rollout.backend=torch"),
         ("trainer", "section.key=value"),
         ("trainer.optim.lr.x=1", "is a value, not a section"),
     ],

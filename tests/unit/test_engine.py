@@ -170,6 +170,43 @@ def test_interruption_continues_like_fresh_engine_with_new_weights(model, forwar
     assert any(s.token_ids != o.token_ids for s, o in zip(seqs, old, strict=True))  # the update did change the policy
 
 
+def test_an_update_without_recompute_keeps_the_old_cache_and_computes_what_follows_with_the_new_weights(
+    model, forward, tmp_path
+):
+    """recompute_cache=False: the reference is Hugging Face's cache of prompt + the first 4 tokens under the old
+    weights, then greedy decoding under the new ones from the 5th token on (the newest, not yet cached)."""
+    engine = Engine(model, version=0, forward=forward, recompute_cache=False)
+    seqs = [engine.submit(f"s{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+    for _ in range(5):
+        engine.step()
+    new_weights = perturbed(model)
+    engine.update_weights(as_version(new_weights, tmp_path, 1))
+    while not engine.idle():
+        engine.step()
+
+    old, new = tiny_model(0), tiny_model(0)
+    new.load_state_dict(new_weights)
+    for seq in seqs:
+        with torch.no_grad():
+            cache = old(torch.tensor([seq.prompt_ids + seq.token_ids[:4]]), use_cache=True).past_key_values
+            token, want_tokens, want_logp = seq.token_ids[4], [], []
+            for _ in range(7):
+                logp = torch.log_softmax(new(torch.tensor([[token]]), past_key_values=cache).logits[0, -1], -1)  # [V]
+                token = int(logp.argmax())
+                want_tokens.append(token)
+                want_logp.append(float(logp[token]))
+        assert seq.token_ids[5:] == want_tokens and seq.versions == [0] * 5 + [1] * 7
+        torch.testing.assert_close(torch.tensor(seq.logprobs[5:]), torch.tensor(want_logp), atol=1e-4, rtol=0)
+    recomputed = Engine(tiny_model(0), version=0, forward=forward)
+    again = [recomputed.submit(f"s{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+    for _ in range(5):
+        recomputed.step()
+    recomputed.update_weights(as_version(new_weights, tmp_path, 1))
+    while not recomputed.idle():
+        recomputed.step()
+    assert any(a.logprobs != b.logprobs for a, b in zip(seqs, again, strict=True))  # the kept cache made a difference
+
+
 @pytest.mark.parametrize("load", ["update_weights", "in_place"])
 def test_direct_forward_follows_weight_loads(model, tmp_path, load):
     """The direct forward runs on fused copies of the weights: after a load, through the engine or straight

@@ -369,8 +369,11 @@ class Engine:
         seed: int | None = None,
         max_prefill_tokens: int = 16384,
         forward: str = "auto",
+        recompute_cache: bool = True,
     ):
+        """`recompute_cache=False`: a weight update keeps the cache the old weights made (`update_weights`)."""
         self.model = model.eval()
+        self.recompute_cache = recompute_cache
         self.device = next(model.parameters()).device
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens  # padded tokens per prefill forward
@@ -460,15 +463,20 @@ class Engine:
 
         Tokens already generated keep their old version; the next token is sampled
         from logits of the new weights, over a cache of the whole sequence under them.
-        A missing file raises FileNotFoundError before anything changed.
+        Without `recompute_cache` the cache stays as the old weights made it and only
+        what comes next is computed with the new ones (an in-flight update: no
+        re-prefill, which on a CPU costs ~25 decode steps of 64 rows); each token's
+        logprob is still the one it was sampled with. A missing file raises
+        FileNotFoundError before anything changed.
         """
         load_into(self.model, read_version(weights.path))  # outside inference mode: parameters stay normal tensors
         self.forward.refresh()  # the direct forward's fused weights are copies
         self.version = weights.version
         self.weight_updates += 1
-        self.slots.sort(key=len)  # every slot is rewritten, so order them for tight prefill chunks
-        self.decoding = 0
-        self.slots_changed = True
+        if self.recompute_cache:
+            self.slots.sort(key=len)  # every slot is rewritten, so order them for tight prefill chunks
+            self.decoding = 0
+            self.slots_changed = True
 
     @torch.inference_mode()  # the slot cache was made in step()'s inference mode, and _free may copy in it
     def abort(self, key: str) -> Sequence | None:

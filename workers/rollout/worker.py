@@ -77,7 +77,13 @@ def make_engine(config: RunConfig) -> RolloutEngine:
             dtype=config.model.dtype,
         )
     model = load_causal_lm(config.model.path, config.model.dtype, config.model.device)
-    return Engine(model, max_batch=config.rollout.max_batch, version=0, seed=config.seed)
+    return Engine(
+        model,
+        max_batch=config.rollout.max_batch,
+        version=0,
+        seed=config.seed,
+        recompute_cache=config.rollout.recompute_cache,
+    )
 
 
 class Rollout:
