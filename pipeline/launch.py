@@ -94,13 +94,18 @@ class WorkerProcess:
 
 
 def new_run_dir(config: RunConfig) -> RunConfig:
-    """A fresh name `<name>-<time>` under runs_dir (linked as `latest` only once its config.yaml is written)."""
+    """A fresh name `<name>-<time>` under runs_dir (linked as `latest` only once its config.yaml is written).
+    Another run's config.yaml run again names that run's weights directory: the new run gets its own."""
     runs = Path(config.runs_dir).resolve()
     name = f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     while (runs / name).exists():
         name += "x"
     (runs / name).mkdir(parents=True)
-    return msgspec.structs.replace(config, name=name, runs_dir=str(runs))
+    checkpoint = config.trainer.checkpoint
+    if checkpoint.weights_dir == str(runs / config.name / "weights"):  # resolve() derived it for that run
+        checkpoint = msgspec.structs.replace(checkpoint, weights_dir="")
+    trainer = msgspec.structs.replace(config.trainer, checkpoint=checkpoint)
+    return msgspec.structs.replace(config, name=name, runs_dir=str(runs), trainer=trainer)
 
 
 def link_latest(run_dir: Path) -> None:
@@ -161,7 +166,7 @@ def prepare(config: RunConfig, progress: bool = True) -> tuple[RunConfig, Path]:
     Returns the resolved config and its path.
     """
     from pipeline.preflight import check_workflow, preflight
-    from topics.admin import ensure_topics
+    from topics.admin import BrokerUnreachable, ensure_topics
     from workers.announce import create_key
 
     run_dir = Path(config.runs_dir).resolve() / config.name
@@ -192,7 +197,13 @@ def prepare(config: RunConfig, progress: bool = True) -> tuple[RunConfig, Path]:
     preflight(config)  # what would crash-loop the workers, as one line with the fix, before any starts
     create_key(run_dir)  # once: the trainer signs every weight announcement with it (workers.announce)
     layout = runtime.topic_layout(config)  # every time: a broker may have lost its topics
-    asyncio.run(ensure_topics(config.broker.bootstrap, layout.names, layout.partitions))
+    try:
+        asyncio.run(ensure_topics(config.broker.bootstrap, layout.names, layout.partitions))
+    except BrokerUnreachable:
+        raise ConfigError(
+            f"no broker answers at broker.bootstrap={config.broker.bootstrap}: start it, or leave "
+            "broker.bootstrap empty for an embedded one"
+        ) from None
     save_config(config, config_path)
     return config, config_path
 
@@ -298,7 +309,7 @@ class LocalRun:
         from pipeline import monitor
         from pipeline.evaluate import NO_EVAL_SET, Evaluator
 
-        if not self.config.broker.bootstrap or (self.resumed_from is not None and self.config.broker.embedded):
+        if not self.config.broker.bootstrap or self.config.broker.embedded:  # embedded: a config.yaml run again
             self.start_broker(stops)
         self.config, self.config_path = prepare(self.config, progress)
         link_latest(self.run_dir)

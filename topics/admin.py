@@ -9,13 +9,17 @@ from typing import Any
 
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError, for_code
+from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError, for_code
 
 from topics.clients import MAX_MESSAGE_BYTES, assigned_consumer
 
 
 class TopicMismatchError(RuntimeError):
     """A topic exists with another partition count than the run needs."""
+
+
+class BrokerUnreachable(ConnectionError):
+    """No broker answers at the bootstrap address."""
 
 
 async def ensure_topics(
@@ -32,7 +36,10 @@ async def ensure_topics(
     """
     wanted = {name: partitions if isinstance(partitions, int) else partitions[name] for name in names}
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
+    try:
+        await admin.start()
+    except KafkaConnectionError:
+        raise BrokerUnreachable(f"no broker answers at {bootstrap}") from None
     try:
         response = await admin.create_topics(
             [

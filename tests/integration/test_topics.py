@@ -28,7 +28,7 @@ from schemas.messages import (
     decode,
     encode,
 )
-from topics.admin import TopicMismatchError, ensure_topics
+from topics.admin import BrokerUnreachable, TopicMismatchError, ensure_topics
 from topics.broker import BrokerError, EmbeddedBroker
 from topics.clients import (
     assigned_consumer,
@@ -363,3 +363,11 @@ async def test_a_message_over_1_mib_round_trips(broker: EmbeddedBroker, unique_n
         (record,) = await consume(consumer, 1)
     assert len(record.value) > 3 << 20
     assert decode(record.value, PromptGroup) == big
+
+
+async def test_no_broker_at_the_address_is_named_not_a_traceback() -> None:
+    with socket.socket() as closed:  # a port nothing listens on: bound, never listening
+        closed.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{closed.getsockname()[1]}"
+        with pytest.raises(BrokerUnreachable, match=f"no broker answers at {address}"):
+            await ensure_topics(address, ["prompts"])
