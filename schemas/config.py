@@ -112,7 +112,8 @@ class RolloutConfig(Section):
         doc(
             "after an interruption, recompute the KV cache of every unfinished sequence with the new weights "
             "(AReaL); false keeps the cache the old weights made and computes only the tokens after with the new "
-            "ones (an in-flight update, as PipelineRL's): no re-prefill per version; torch backend only"
+            "ones (an in-flight update, as PipelineRL's): no re-prefill per version; torch backend only; "
+            "experimental: one chain run with it and rollout.max_batch=128 collapsed (README, Benchmarks)"
         ),
     ] = True
     threads: Annotated[
