@@ -173,9 +173,13 @@ def resolve(config: RunConfig) -> RunConfig:
         )
         trainer, rollout = replace(trainer, threads=trainer_threads), replace(rollout, threads=rollout_threads)
     if not trainer.checkpoint.weights_dir:
-        weights_dir = str((Path(config.runs_dir) / config.name / "weights").resolve())
-        trainer = replace(trainer, checkpoint=replace(trainer.checkpoint, weights_dir=weights_dir))
+        trainer = replace(trainer, checkpoint=replace(trainer.checkpoint, weights_dir=derived_weights_dir(config)))
     return replace(config, broker=broker, trainer=trainer, model=model, rollout=rollout)
+
+
+def derived_weights_dir(config: RunConfig) -> str:
+    """Where `resolve` puts a run's weights when the config names no place: <runs_dir>/<name>/weights, absolute."""
+    return str((Path(config.runs_dir) / config.name / "weights").resolve())
 
 
 def on_one_machine(config: RunConfig) -> RunConfig:

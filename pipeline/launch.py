@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from pipeline.config import ConfigError, load_config, on_one_machine, resolve, save_config
+from pipeline.config import ConfigError, derived_weights_dir, load_config, on_one_machine, resolve, save_config
 from schemas.config import RunConfig
 from topics.broker import die_with_parent
 from workers import runtime
@@ -102,7 +102,7 @@ def new_run_dir(config: RunConfig) -> RunConfig:
         name += "x"
     (runs / name).mkdir(parents=True)
     checkpoint = config.trainer.checkpoint
-    if checkpoint.weights_dir == str(runs / config.name / "weights"):  # resolve() derived it for that run
+    if checkpoint.weights_dir == derived_weights_dir(config):  # that run's own: derive the new run's
         checkpoint = msgspec.structs.replace(checkpoint, weights_dir="")
     trainer = msgspec.structs.replace(config.trainer, checkpoint=checkpoint)
     return msgspec.structs.replace(config, name=name, runs_dir=str(runs), trainer=trainer)
