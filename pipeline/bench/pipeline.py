@@ -77,7 +77,21 @@ def window_rates(lines: list[dict], warmup_steps: int) -> dict:
         "interrupted_trajectories": last["interrupted_trajectories"],
         "trained_tokens": last["trained_tokens"],
         "step_breakdown": step_breakdown(measured),
+        **weights_costs(measured, rollout),
         "window": (first["time"], last["time"]),
+    }
+
+
+def weights_costs(steps: list[dict], rollout: list[dict]) -> dict[str, float | None]:
+    """Milliseconds per weight version: the trainer's write and hash of its file (off the step's path, on a
+    core all the same) and the rollout worker's verify, interruption and load (None without those fields)."""
+    writes = [l["write_seconds"] for l in steps if l.get("write_seconds")]
+    loads = [l for l in rollout if "weight_loads" in l]
+    loaded = loads[-1]["weight_loads"] - loads[0]["weight_loads"] if len(loads) > 1 else 0
+    load_seconds = loads[-1]["weights_load_seconds"] - loads[0]["weights_load_seconds"] if loaded else 0.0
+    return {
+        "write_ms_per_version": round(1000 * sum(writes) / len(writes), 2) if writes else None,
+        "load_ms_per_version": round(1000 * load_seconds / loaded, 2) if loaded else None,
     }
 
 
@@ -211,6 +225,9 @@ def table(report: dict) -> str:
     lines.append("trainer step breakdown, mean seconds per step:")
     for name, r in report["runs"].items():
         lines.append(f"  {name}: " + ", ".join(f"{phase} {s:.3f}" for phase, s in r["step_breakdown"].items()))
+    lines.append("weights per version, ms: trainer write + hash | rollout verify + interrupt + load")
+    for name, r in report["runs"].items():
+        lines.append(f"  {name}: {r['write_ms_per_version']} | {r['load_ms_per_version']}")
     lines.append(f"async/sync effective training throughput: {report['async_over_sync']:.2f}x")
     lines.append(
         f"interruption on/off generation throughput: {report['interrupt_on_over_off']}x "

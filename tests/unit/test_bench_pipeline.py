@@ -22,6 +22,7 @@ def trainer(step: int, time: float, step_seconds: float) -> dict:
         "staleness_mean": 1.0,
         "interrupted_trajectories": step,
         "time_train": step_seconds / 2,
+        "write_seconds": step / 1000,  # the version's file: 1 ms at step 1, ...
         **({"time_checkpoint": 1.0} if step == 4 else {}),  # every few steps only
     }
 
@@ -32,8 +33,8 @@ def test_window_rates_after_warm_up():
         trainer(2, 1.0, 0.5),
         trainer(3, 2.0, 0.25),
         trainer(4, 3.0, 0.75),
-        {"source": "rollout", "time": 1.0, "generated_tokens": 50},
-        {"source": "rollout", "time": 3.0, "generated_tokens": 450},
+        {"source": "rollout", "time": 1.0, "generated_tokens": 50, "weight_loads": 1, "weights_load_seconds": 0.1},
+        {"source": "rollout", "time": 3.0, "generated_tokens": 450, "weight_loads": 5, "weights_load_seconds": 0.14},
     ]
     rates = window_rates(lines, warmup_steps=2)  # from step 2 (t=1) to step 4 (t=3): steps 3 and 4
     assert rates["steps_measured"] == 2 and rates["seconds"] == 2.0
@@ -42,6 +43,16 @@ def test_window_rates_after_warm_up():
     assert rates["train_step_seconds"] == 0.5 and rates["trainer_busy"] == 0.5  # (0.25 + 0.75) / 2 s
     assert rates["window"] == (1.0, 3.0)  # where the CPU sampler reads the cores used
     assert rates["step_breakdown"] == {"checkpoint": 0.5, "train": 0.25}  # means over steps 3 and 4
+    assert rates["write_ms_per_version"] == 3.5  # steps 3 and 4 wrote in 3 and 4 ms
+    assert rates["load_ms_per_version"] == 10.0  # 4 versions loaded in 40 ms over the window
+
+
+def test_runs_without_weights_timings_report_none():
+    lines = [trainer(1, 0.0, 1.0), trainer(2, 1.0, 1.0), {"source": "rollout", "time": 1.0, "generated_tokens": 5}]
+    for line in lines[:2]:
+        del line["write_seconds"]
+    rates = window_rates(lines, warmup_steps=1)
+    assert rates["write_ms_per_version"] is None and rates["load_ms_per_version"] is None
 
 
 def args_for(*argv: str) -> argparse.Namespace:
@@ -130,6 +141,8 @@ def test_the_table_names_the_task_and_the_cores_given_and_used():
         "trainer_busy": 0.97,
         "cpu_cores": {"trainer": 0.9, "rollout": 0.83},
         "step_breakdown": {"wait": 0.01, "train": 0.3812},
+        "write_ms_per_version": 11.4,
+        "load_ms_per_version": 9.87,
     }
     settings = {"task": "chain", "steps": 60, "batch_groups": 8, "n_samples": 8, "max_new_tokens": 288}
     report = {
@@ -151,6 +164,8 @@ def test_the_table_names_the_task_and_the_cores_given_and_used():
     assert lines[5:] == [
         "trainer step breakdown, mean seconds per step:",
         "  async: wait 0.010, train 0.381",
+        "weights per version, ms: trainer write + hash | rollout verify + interrupt + load",
+        "  async: 11.4 | 9.87",
         "async/sync effective training throughput: 2.28x",
         "interruption on/off generation throughput: 0.98x (training throughput 0.98x)",
     ]

@@ -107,6 +107,8 @@ class Rollout:
         self.counter = itertools.count()
         self.interrupted = 0  # segments cut by a new version
         self.generated_tokens = 0  # every token emitted, interrupted runs included
+        self.load_seconds = 0.0  # spent verifying and loading weight versions, and how many loaded
+        self.loads = 0
         self.refused_version = -1  # the newest announced version whose file failed verification
         self.answering: set[asyncio.Task] = set()  # calls being answered, out of the engine meanwhile
         self.answered: list[tuple[str, Conversation]] = []  # their next turns, submitted by the next `step`
@@ -229,7 +231,9 @@ class Rollout:
                 )
             )
             return False
-        self.ctx.log.info("weights loaded", version=announced.version, seconds=round(time.perf_counter() - started, 4))
+        seconds = time.perf_counter() - started
+        self.load_seconds, self.loads = self.load_seconds + seconds, self.loads + 1
+        self.ctx.log.info("weights loaded", version=announced.version, seconds=round(seconds, 4))
         return True
 
     async def step(self) -> list[InFlight]:
@@ -312,6 +316,8 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
                     worker=ctx.id,
                     generated_tokens=rollout.generated_tokens,
                     interrupted_segments=rollout.interrupted,
+                    weight_loads=rollout.loads,
+                    weights_load_seconds=round(rollout.load_seconds, 4),
                 )
                 last_report = time.monotonic()
         if cores is not None:

@@ -129,6 +129,7 @@ class Lead:
         self.step_ended = time.perf_counter()  # the wait for the next batch starts here
         self.publishing: asyncio.Task | None = None  # the newest version's write and announcement, off the step's path
         self.publish_lag = 0.0  # seconds from a version's snapshot to its announcement, the last one delivered
+        self.write_seconds = 0.0  # seconds the last version's file took to write and hash (off the step's path)
         self.copied: int | None = None  # the newest version whose weights were copied for writing
         self.written: tuple[Path, str] | None = None  # its file and sha256, once written
         self.key = load_key(ctx.run_dir)  # signs every announcement (workers.announce); None: the run has no key
@@ -189,7 +190,10 @@ class Lead:
             await self.checkpoint()
         clock.lap("time_checkpoint")
         self.step_ended = clock.last
-        self.report({**stats, **clock.seconds, "publish_lag": self.publish_lag}, time.monotonic() - step_started)
+        self.report(
+            {**stats, **clock.seconds, "publish_lag": self.publish_lag, "write_seconds": self.write_seconds},
+            time.monotonic() - step_started,
+        )
 
     def train_on_free_cores(self, groups: list[Group]) -> dict:
         """The step on the trainer's own cores and on any a rollout worker has left idle, given back after it
@@ -229,7 +233,9 @@ class Lead:
         for awaited in filter(None, before):
             await awaited
         if weights is not None:
+            started = time.perf_counter()
             self.written = await asyncio.to_thread(self.trainer.publish, weights, fields["version"])
+            self.write_seconds = time.perf_counter() - started
         path, digest = self.written
         announcement = WeightVersion(uri=str(path.resolve()), content_hash=digest, **fields)
         await self.outbox.send_now("weights", announcement, headers=signed_headers(self.key, announcement))
