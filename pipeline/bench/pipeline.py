@@ -63,14 +63,13 @@ def window_rates(lines: list[dict], warmup_steps: int) -> dict:
     measured = [l for l in steps if l["step"] > first["step"]]
     seconds = last["time"] - first["time"]
     rollout = [l for l in lines if l["source"] == "rollout" and first["time"] <= l["time"] <= last["time"]]
-    generated = rollout[-1]["generated_tokens"] - rollout[0]["generated_tokens"] if len(rollout) > 1 else 0
-    generated_seconds = rollout[-1]["time"] - rollout[0]["time"] if len(rollout) > 1 else 0.0
+    generated = sum(tokens / seconds for tokens, seconds in worker_changes(rollout, "generated_tokens") if seconds)
     return {
         "steps_measured": last["step"] - first["step"],
         "seconds": round(seconds, 2),
         "trained_tokens_per_s": round((last["trained_tokens"] - first["trained_tokens"]) / seconds, 1),
         "steps_per_s": round((last["step"] - first["step"]) / seconds, 3),
-        "generated_tokens_per_s": round(generated / generated_seconds, 1) if generated_seconds else None,
+        "generated_tokens_per_s": round(generated, 1) if generated else None,
         "staleness_mean": round(sum(l["staleness_mean"] for l in measured) / len(measured), 2),
         "train_step_seconds": round(sum(l["step_seconds"] for l in measured) / len(measured), 3),
         "trainer_busy": round(sum(l["step_seconds"] for l in measured) / seconds, 3),
@@ -82,13 +81,22 @@ def window_rates(lines: list[dict], warmup_steps: int) -> dict:
     }
 
 
+def worker_changes(rollout: list[dict], field: str) -> list[tuple[float, float]]:
+    """(how much `field` grew, over how many seconds) between each rollout worker's first and last line:
+    the workers' counters are their own, so several workers' lines are never subtracted from one another."""
+    by_worker: dict[str, list[dict]] = {}
+    for line in rollout:
+        if field in line:
+            by_worker.setdefault(line.get("worker", ""), []).append(line)
+    return [(l[-1][field] - l[0][field], l[-1]["time"] - l[0]["time"]) for l in by_worker.values() if len(l) > 1]
+
+
 def weights_costs(steps: list[dict], rollout: list[dict]) -> dict[str, float | None]:
     """Milliseconds per weight version: the trainer's write and hash of its file (off the step's path, on a
     core all the same) and the rollout worker's verify, interruption and load (None without those fields)."""
     writes = [l["write_seconds"] for l in steps if l.get("write_seconds")]
-    loads = [l for l in rollout if "weight_loads" in l]
-    loaded = loads[-1]["weight_loads"] - loads[0]["weight_loads"] if len(loads) > 1 else 0
-    load_seconds = loads[-1]["weights_load_seconds"] - loads[0]["weights_load_seconds"] if loaded else 0.0
+    loaded = sum(count for count, _ in worker_changes(rollout, "weight_loads"))
+    load_seconds = sum(seconds for seconds, _ in worker_changes(rollout, "weights_load_seconds"))
     return {
         "write_ms_per_version": round(1000 * sum(writes) / len(writes), 2) if writes else None,
         "load_ms_per_version": round(1000 * load_seconds / loaded, 2) if loaded else None,

@@ -47,6 +47,33 @@ def test_window_rates_after_warm_up():
     assert rates["load_ms_per_version"] == 10.0  # 4 versions loaded in 40 ms over the window
 
 
+def test_each_rollout_workers_counters_are_its_own():
+    lines = [trainer(1, 0.0, 1.0), trainer(2, 1.0, 1.0), trainer(3, 3.0, 1.0)]
+    for worker, tokens, loads in (("a", 100, 3), ("b", 5000, 40)):  # b started earlier: higher counters
+        lines += [
+            {
+                "source": "rollout",
+                "worker": worker,
+                "time": 1.0,
+                "generated_tokens": tokens,
+                "weight_loads": loads,
+                "weights_load_seconds": loads / 100,
+            },
+            {
+                "source": "rollout",
+                "worker": worker,
+                "time": 3.0,
+                "generated_tokens": tokens + 400,
+                "weight_loads": loads + 2,
+                "weights_load_seconds": (loads + 2) / 100,
+            },
+        ]
+    lines.sort(key=lambda line: line["time"])
+    rates = window_rates(lines, warmup_steps=2)
+    assert rates["generated_tokens_per_s"] == 400.0  # 200 tok/s each
+    assert rates["load_ms_per_version"] == 10.0
+
+
 def test_runs_without_weights_timings_report_none():
     lines = [trainer(1, 0.0, 1.0), trainer(2, 1.0, 1.0), {"source": "rollout", "time": 1.0, "generated_tokens": 5}]
     for line in lines[:2]:
