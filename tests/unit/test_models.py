@@ -12,6 +12,7 @@ from pipeline.config import ConfigError, load_config, resolve
 from pipeline.demo_model import build_tokenizer
 from pipeline.launch import check_dataset, check_template
 from workers.models import (
+    avoid_cudnn_attention,
     cast_floating,
     check_chat_template,
     compute_dtype,
@@ -161,3 +162,16 @@ def test_a_bfloat16_step_runs_on_cpu_under_autocast_and_keeps_float32_masters(ti
     moments = [s for state in optimizer.state.values() for s in (state["exp_avg"], state["exp_avg_sq"])]
     assert moments and {m.dtype for m in moments} == {torch.float32}
     assert any(not torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("device, enabled_after", [("cpu", True), ("cuda", False), ("cuda:1", False)])
+def test_cudnn_attention_is_turned_off_for_cuda_only(device, enabled_after):
+    """cuDNN plans every new attention shape (89 vs 10 ms a decode step on an H100): CUDA processes skip it.
+    The switch is a process-wide flag, settable without a GPU."""
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        avoid_cudnn_attention(device)
+        assert torch.backends.cuda.cudnn_sdp_enabled() is enabled_after
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)

@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
+from workers.models import avoid_cudnn_attention
 from workers.rollout.protocol import EngineStats, SamplingParams, Sequence, check_request
 from workers.weights import WeightsFile, load_into, read_version
 
@@ -375,6 +376,7 @@ class Engine:
         self.model = model.eval()
         self.recompute_cache = recompute_cache
         self.device = next(model.parameters()).device
+        avoid_cudnn_attention(self.device)  # every decode step has a new span
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens  # padded tokens per prefill forward
         config = model.config.get_text_config()

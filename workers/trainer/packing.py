@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 
+from workers.models import avoid_cudnn_attention
+
 PACKED_ATTENTION = "asyncrl_packed"
 CHUNK_TOKENS = 128  # packed positions attended by one call: wasted masked work (~len^2) against per-call overhead
 
@@ -134,5 +136,6 @@ AttentionMaskInterface.register(PACKED_ATTENTION, lambda *args, **kwargs: None) 
 
 def use_packed_attention(model: torch.nn.Module) -> None:
     """Switch a Hugging Face model to `PACKED_ATTENTION` (once; the trainer owns its models)."""
+    avoid_cudnn_attention(next(model.parameters()).device)  # every packed row has new sequence lengths
     if model.config._attn_implementation != PACKED_ATTENTION:
         model.set_attn_implementation(PACKED_ATTENTION)
