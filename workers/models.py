@@ -8,8 +8,13 @@ to `model.dtype` (`cast_floating`), so a rollout worker loads exactly what it ru
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:  # modeling code: ~1.3 s more import for the prompt source, which never loads a model
+    from transformers import PreTrainedModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TEMPLATES = ("raw", "chat")
@@ -27,6 +32,8 @@ def torch_dtype(dtype: str) -> torch.dtype:
 
 def load_causal_lm(path: str, dtype: str = "float32", device: str = "cpu") -> PreTrainedModel:
     """A Hugging Face causal LM from a local directory, in `dtype` (a resolved model.dtype), on `device`."""
+    from transformers import AutoModelForCausalLM
+
     avoid_cudnn_attention(device)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype)).to(torch.device(device))
 
