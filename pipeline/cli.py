@@ -282,6 +282,12 @@ def add_microbatch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="weights, lengths and tokens (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="the forwards' compute dtype (autocast; float32 master weights either way) (default: %(default)s)",
+    )
 
 
 def add_eval_parser(commands: argparse._SubParsersAction) -> None:

@@ -59,7 +59,7 @@ WHEEL_TAGS = [
 
 # a ~130M-parameter Qwen2 (768 wide, 12 layers, 32k vocabulary) for `bench microbatch`, sequences up to 1,024 tokens
 MICROBATCH_ARGS = ["--hidden-size", "768", "--layers", "12", "--vocab-size", "32000", "--sequences", "64"]
-MICROBATCH_ARGS += ["--max-length", "1024", "--budget", "4096"]
+MICROBATCH_ARGS += ["--max-length", "1024", "--budget", "4096", "--dtype", "bfloat16"]
 PIPELINE_MODEL = {"hidden_size": 768, "layers": 12, "heads": 12, "kv_heads": 4}  # chain's demo recipe, ~100M
 PIPELINE_ARGS = ["--task", "chain", "--steps", "30", "--warmup-steps", "5", "--no-progress"]
 

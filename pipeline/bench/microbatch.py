@@ -72,6 +72,7 @@ class Settings:
     seed: int
     threads: int
     device: str
+    dtype: str = "float32"  # the forwards' autocast dtype (float32: none); weights and AdamW stay float32
 
 
 def workload(s: Settings) -> list[tuple[list[tuple[list[int], list[int], list[float]]], list[float]]]:
@@ -168,6 +169,7 @@ def measure(s: Settings, mode: str, count: int) -> dict:
         temperature=1.0,
         loss=LossSettings(clip_eps=0.2),
         split=allocator(mode, s.budget, 1, count),
+        dtype=getattr(torch, s.dtype),
     )
 
     def step(batch) -> dict:
@@ -273,6 +275,7 @@ def summarize(s: Settings, count: int, lengths: list[list[int]], modes: dict[str
             "vocab_size": s.vocab_size,
             "parameters": parameters,
             "dtype": "float32",
+            "compute_dtype": s.dtype,
         },
         "machine": {**machine(), "torch_threads": s.threads, "device": s.device},
     }
@@ -282,7 +285,7 @@ def table(report: dict) -> str:
     s = report["settings"]
     lines = [
         f"{s['sequences']} sequences per step, lengths up to {s['max_length']}, budget {s['budget']} tokens, "
-        f"{s['steps']} steps, best of {s['repeats']}, {s['threads']} torch thread(s) on {s['device']}",
+        f"{s['steps']} steps, best of {s['repeats']}, {s['threads']} torch thread(s) on {s['device']}, computing in {s['dtype']}",
         f"{'mode':<10} {'micro-batches/step':>18} {'largest mb':>10} {'trained tok/s':>13} {'peak MiB':>9}",
     ]
     for mode, r in report["modes"].items():
@@ -308,6 +311,8 @@ def check(s: Settings) -> str | None:
         return "--budget must hold the longest sequence (--max-length), or no fixed count fits it"
     if s.hidden_size < 64 or s.hidden_size % 64:
         return "--hidden-size must be a multiple of 64 (attention heads of 64)"
+    if s.dtype not in ("float32", "bfloat16"):
+        return f"--dtype {s.dtype}: float32 or bfloat16"
     if s.vocab_size < 2:
         return "--vocab-size must be at least 2"
     if s.device != "cpu" and not (s.device.startswith("cuda") and torch.cuda.is_available()):
@@ -328,6 +333,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         threads=args.threads,
         device=args.device,
+        dtype=args.dtype,
     )
     if problem := check(s):
         print(f"asyncrl: {problem}", file=sys.stderr)

@@ -82,6 +82,7 @@ def test_settings_that_cannot_be_compared_are_refused():
     assert check(SETTINGS) is None
     assert "--budget must hold the longest sequence" in check(replace(SETTINGS, budget=511))
     assert "multiple of 64" in check(replace(SETTINGS, hidden_size=100))
+    assert "--dtype float16: float32 or bfloat16" in check(replace(SETTINGS, dtype="float16"))
 
 
 def test_bench_microbatch_runs_both_modes_in_their_own_processes(tmp_path):
@@ -107,6 +108,8 @@ def test_bench_microbatch_runs_both_modes_in_their_own_processes(tmp_path):
                 "4096",
                 "--repeats",
                 "1",
+                "--dtype",
+                "bfloat16",
                 "--out",
                 str(out),
             ]
@@ -115,5 +118,6 @@ def test_bench_microbatch_runs_both_modes_in_their_own_processes(tmp_path):
     )
     report = json.loads(out.read_text())
     assert report["dynamic_over_fixed"] > 0 and report["peak_memory_ratio"] > 0
+    assert report["model"]["compute_dtype"] == report["settings"]["dtype"] == "bfloat16"
     for mode in report["modes"].values():
         assert mode["largest_microbatch_tokens"] <= 160 and mode["peak_memory_mib"] > 0
