@@ -1,6 +1,6 @@
 """`asyncrl gpu-check` (`make gpu-check`): the questions only a CUDA machine can answer, in one command.
 
-No GPU was lent to the sessions that built this, so none of these checks has run yet (README, GPU check).
+It ran once, on an H100 in session 14 (numbers in the README, GPU check; two NCCL ranks need two GPUs).
 Without CUDA it prints one line and exits 2 before anything else. On CUDA it runs `CHECKS` in order, each on its
 own, so that a failing one does not hide the others' results, then prints a summary table and writes JSON:
 
