@@ -5,10 +5,13 @@ copy. No broker: the chunks are written with `ExportAppender` directly."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from topics import export
 from topics.export import (
     ExportAppender,
     ExportedGroup,
@@ -141,3 +144,36 @@ def test_a_committed_offset_may_reach_but_not_pass_the_records_exported() -> Non
         _check_committed(reward_group(4), {0: 3})
     with pytest.raises(ExportError, match="committed offset 1 of segments partition 1, past the 0 records"):
         _check_committed(reward_group(0, 1), {0: 3})
+
+
+def test_an_append_after_this_processs_own_goes_on_without_reading_the_file(two_chunks: Path, monkeypatch) -> None:
+    """The trainer appends before every checkpoint: re-reading the whole file each time grew with the run."""
+
+    def scan(*args):
+        raise AssertionError("the file was scanned")
+
+    monkeypatch.setattr(export, "_committed", scan)
+    with ExportAppender(two_chunks) as appender:
+        assert appender.header == HEADER
+        assert appender.next_offsets() == {"batches": {0: 1}, "scored": {0: 3, 1: 2}}
+        appender.append(HEADER, [record("scored", 0, 3), record("batches", 0, 1)], [reward_group(5)])
+    monkeypatch.undo()
+    export_ = load_export(two_chunks)
+    assert places(export_.records["scored"]) == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1)]
+    assert places(export_.records["batches"]) == [(0, 0), (0, 1)] and export_.groups == [reward_group(5)]
+
+
+def test_a_chunk_another_process_appended_is_read_before_the_next_append(two_chunks: Path) -> None:
+    """The launcher appends when the run stops: a process that appended before must see that chunk."""
+    other = (
+        "import sys; from pathlib import Path; sys.path[:0] = [sys.argv[2], sys.argv[3]];"
+        "from test_export_file import HEADER, record, reward_group; from topics.export import ExportAppender\n"
+        "with ExportAppender(Path(sys.argv[1])) as appender:\n"
+        "    appender.append(HEADER, [record('scored', 1, 2)], [reward_group(6)])\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", other, str(two_chunks), str(Path(__file__).parent), str(root)], check=True)
+    with ExportAppender(two_chunks) as appender:
+        assert appender.next_offsets() == {"batches": {0: 1}, "scored": {0: 3, 1: 3}}
+        appender.append(HEADER, [record("scored", 0, 3)], [reward_group(7)])
+    assert places(load_export(two_chunks).records["scored"]) == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2)]
