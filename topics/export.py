@@ -210,7 +210,7 @@ class ExportAppender:
 
     def next_offsets(self) -> dict[str, dict[int, int]]:
         """Per role and partition, the first offset the file does not hold yet: where the next chunk starts."""
-        return {role: dict(partitions) for role, partitions in self.tail.offsets.items()}
+        return next_offsets((), self.tail.offsets)
 
     def append(self, header: ExportHeader, records: list[ExportedRecord], groups: list[ExportedGroup]) -> None:
         """Cut off a torn chunk, write `records` and the `end` that commits them (the header first in a new
@@ -226,10 +226,7 @@ class ExportAppender:
         _write_frame(self.file, ExportEnd(records=count, groups=groups))
         self.file.flush()
         os.fsync(self.file.fileno())
-        offsets = self.next_offsets()
-        for role, partitions in next_offsets(records).items():
-            for partition, offset in partitions.items():
-                offsets.setdefault(role, {})[partition] = max(offsets.get(role, {}).get(partition, 0), offset)
+        offsets = next_offsets(records, tail.offsets)
         stat = os.fstat(self.file.fileno())
         self.tail = _Tail(tail.header if tail.size else header, count, offsets, stat.st_size)
         _LEFT[stat.st_dev, stat.st_ino] = ((stat.st_size, stat.st_mtime_ns), self.tail)
@@ -245,10 +242,13 @@ class ExportAppender:
         self.file.close()
 
 
-def next_offsets(records: Iterable[ExportedRecord | _Place]) -> dict[str, dict[int, int]]:
-    """Per role and partition, one past the highest offset of `records`: where reading goes on, and the
-    furthest a consumer group's committed offset may point."""
-    found: dict[str, dict[int, int]] = {}
+def next_offsets(
+    records: Iterable[ExportedRecord | _Place], held: Mapping[str, Mapping[int, int]] | None = None
+) -> dict[str, dict[int, int]]:
+    """Per role and partition, one past the highest offset of `records` and of what `held` says is already
+    held (next offsets, as this returns them): where reading goes on, and the furthest a consumer group's
+    committed offset may point."""
+    found = {role: dict(partitions) for role, partitions in (held or {}).items()}
     for record in records:
         partitions = found.setdefault(record.role, {})
         partitions[record.partition] = max(partitions.get(record.partition, 0), record.offset + 1)

@@ -34,7 +34,6 @@ def load_causal_lm(path: str, dtype: str = "float32", device: str = "cpu") -> Pr
     """A Hugging Face causal LM from a local directory, in `dtype` (a resolved model.dtype), on `device`."""
     from transformers import AutoModelForCausalLM
 
-    avoid_cudnn_attention(device)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype)).to(torch.device(device))
 
 

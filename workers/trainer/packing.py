@@ -136,6 +136,6 @@ AttentionMaskInterface.register(PACKED_ATTENTION, lambda *args, **kwargs: None) 
 
 def use_packed_attention(model: torch.nn.Module) -> None:
     """Switch a Hugging Face model to `PACKED_ATTENTION` (once; the trainer owns its models)."""
-    avoid_cudnn_attention(next(model.parameters()).device)  # every packed row has new sequence lengths
     if model.config._attn_implementation != PACKED_ATTENTION:
+        avoid_cudnn_attention(next(model.parameters()).device)  # every packed row has new sequence lengths
         model.set_attn_implementation(PACKED_ATTENTION)
