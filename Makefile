@@ -26,7 +26,7 @@ demo: install
 
 # everything but the tests marked `docker` (compose-test)
 test: install-test
-	$(BIN)/python -m pytest -q -m "not docker"
+	$(BIN)/python -m pytest -q -m "not docker and not chaos"
 
 # the quick loop (~20 s on 2 cores): tests/unit, less anything marked e2e or slow
 test-unit: install-test
@@ -39,11 +39,13 @@ compose-test: install-test
 
 # fault injection, the long version of tests/e2e/test_chaos.py (~1 h on 2 cores): SIGKILLs of every role at
 # random moments of short runs (launcher and broker then `asyncrl run --resume`), then poison on every topic and bad
-# rows in the dataset of a running pipeline; both run, either failing fails the target (runs/chaos/*.json, .png)
-chaos: install
+# rows in the dataset of a running pipeline; then the e2e tests marked chaos (stops and resumes whose short version
+# is in `make test`); all run, any failing fails the target (runs/chaos/*.json, .png)
+chaos: install-test
 	@status=0; \
 	$(BIN)/asyncrl chaos --out runs/chaos || status=1; \
 	$(BIN)/asyncrl chaos --poison --out runs/chaos || status=1; \
+	$(BIN)/python -m pytest -q -m chaos || status=1; \
 	exit $$status
 
 # ruff is pinned in the test extra; both checks run even when the first fails, and either fails the target

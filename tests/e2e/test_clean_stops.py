@@ -231,6 +231,7 @@ def test_a_second_ctrl_c_does_not_cut_the_cleanup_short(launch) -> None:
     assert "already stopping" in run.stderr
 
 
+@pytest.mark.chaos  # short version in make test: test_resume's sigkilled launcher, whose processes must all be gone
 def test_sigkill_of_the_launcher_leaves_no_process(launch) -> None:
     run = launch()
     run.wait_for(run.workers_up, 240, "four workers")

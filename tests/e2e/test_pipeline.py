@@ -185,6 +185,7 @@ def _processes_mentioning(text: str) -> list[int]:
     return found
 
 
+@pytest.mark.chaos  # short version in make test: test_clean_stops's two Ctrl-Cs, whose first is this one
 def test_ctrl_c_stops_every_process(tmp_path):
     """SIGINT to `asyncrl run` (what Ctrl-C sends) leaves no worker and no broker behind."""
     command = [

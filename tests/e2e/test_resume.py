@@ -14,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import yaml
 from test_clean_stops import Launch, alive, mentioning
 
 from pipeline.config import load_config, resolve, save_config
@@ -104,11 +105,14 @@ def test_a_sigkilled_launcher_s_run_is_resumed(launch) -> None:
     run.process.kill()
     run.process.wait()
     wait_until_gone(run, within_s=10)  # the broker took the topics with it: only the export is left
+    bootstrap = yaml.safe_load((run.run_dir / "config.yaml").read_text())["broker"]["bootstrap"]
+    assert mentioning(str(run.run_dir), f"tcp://{bootstrap}") == []  # nothing orphaned, not even its children
     checkpoint = newest_checkpoint(run.run_dir)  # a periodic one, or the stop's if its export beat the broker
     assert checkpoint >= EVERY
     check_trained_once(run.run_dir, resume(run.run_dir), checkpoint)
 
 
+@pytest.mark.chaos  # short version in make test: the sigkilled launcher's resume, and the broker's death failing the run
 def test_a_run_whose_broker_was_sigkilled_is_resumed(launch) -> None:
     run = launch()
     [broker] = [pid for pid, cmdline in run.processes().items() if "tansu" in cmdline]
@@ -120,6 +124,7 @@ def test_a_run_whose_broker_was_sigkilled_is_resumed(launch) -> None:
     check_trained_once(run.run_dir, resume(run.run_dir), checkpoint)
 
 
+@pytest.mark.chaos  # short version in make test: the sigkilled launcher's resume, and SIGTERM's own checkpoint (test_clean_stops)
 def test_a_sigtermed_run_is_resumed(launch) -> None:
     run = launch("trainer.checkpoint.every=100")  # no periodic checkpoint: the stop's own is resumed from
     run.process.send_signal(signal.SIGTERM)
