@@ -249,9 +249,9 @@ def flex_kernel(device_type: str):
 def flex_packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """The trainer's packed attention (query [1, H, L, D], key/value [1, Hkv, L, D] -> [1, L, H, D]) as one
     FlexAttention call over the whole row, instead of an SDPA call per chunk of sequences."""
-    bounds = kwargs.get("cu_seq_lens_q")
-    if bounds is None or dropout or kwargs.get("sliding_window") is not None:
-        raise NotImplementedError("flex packed attention: packed inputs, no dropout, no sliding window")
+    bounds, shared = kwargs.get("cu_seq_lens_q"), max(kwargs.get("segment_parents") or [-1]) >= 0
+    if bounds is None or shared or dropout or kwargs.get("sliding_window") is not None:
+        raise NotImplementedError("flex packed attention: packed inputs, no shared prompts, dropout nor sliding window")
     # under autocast the rotary embedding leaves query and key in float32 and value in the autocast dtype;
     # SDPA casts them to one dtype itself, FlexAttention needs it done
     query, key = query.to(value.dtype), key.to(value.dtype)

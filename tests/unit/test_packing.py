@@ -27,11 +27,45 @@ def test_pack_by_hand():
     assert packed.unpack(torch.tensor([10.0, 11.0, 12.0, 13.0, 14.0])).tolist() == [[10, 11, 0], [13, 0, 0], [0, 0, 0]]
 
 
+def test_pack_shares_a_prompt_by_hand():
+    # rows 0 and 2 have the prompt [3, 4]; row 1's prompt [3] is another one; row 3 shares [3, 4] but has no
+    # completion, so there is nothing to share
+    ids = torch.tensor([[3, 4, 5, 6], [3, 8, 0, 0], [3, 4, 7, 0], [3, 4, 0, 0]])
+    packed = pack(ids, (ids > 0).long(), prompt_lengths=torch.tensor([2, 1, 2, 2]))
+    assert packed.input_ids.tolist() == [[3, 4, 5, 6, 7, 3, 8, 3, 4]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1, 0, 1]]  # completions go on from the prompt
+    assert packed.cu_seqlens.tolist() == [0, 2, 4, 5, 7, 9]  # the prompt, row 0's and row 2's rest, rows 1 and 3
+    assert packed.parents == [-1, 0, 0, -1, -1]
+    # row 2 predicts 4 from packed position 0 and 7 from the shared prompt's last position, 1
+    assert packed.index.tolist() == [[0, 1, 2], [5, 0, 0], [0, 1, 0], [7, 0, 0]]
+    assert packed.targets.tolist() == ids[:, 1:].tolist()
+    logp = torch.arange(9 * 10, dtype=torch.float).view(9, 10)  # [L, V] packed position p, token v -> 10 p + v
+    assert packed.chosen(logp).tolist() == [[4, 15, 26], [58, 0, 0], [4, 17, 0], [74, 0, 0]]
+
+
 def test_chunks_group_neighbouring_sequences_up_to_the_limit_and_a_longer_one_alone():
     # sequences of 3, 2, 1, 9, 2, 2 positions
     assert chunks([0, 3, 5, 6, 15, 17, 19], limit=6) == [[0, 3, 5, 6], [6, 15], [15, 17, 19]]
     assert chunks([0, 3, 5, 6, 15, 17, 19], limit=100) == [[0, 3, 5, 6, 15, 17, 19]]
     assert chunks([0, 3, 5, 6, 15, 17, 19], limit=1) == [[0, 3], [3, 5], [5, 6], [6, 15], [15, 17], [17, 19]]
+
+
+def test_a_shared_prompt_and_its_completions_are_never_cut_apart():
+    # a prompt of 3 with completions of 2 and 2 (7 positions), then a sequence of 2
+    parents = [-1, 0, 0, -1]
+    assert chunks([0, 3, 5, 7, 9], limit=4, parents=parents) == [[0, 3, 5, 7], [7, 9]]
+    assert chunks([0, 3, 5, 7, 9], limit=9, parents=parents) == [[0, 3, 5, 7, 9]]
+
+
+def test_block_causal_mask_into_a_shared_prompt_by_hand():
+    got = block_causal_mask([0, 2, 4, 5], torch.device("cpu"), parents=[-1, 0, 0]).int().tolist()
+    assert got == [  # a prompt of 2, completions of 2 and 1 attending to it and to themselves
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 0],
+        [1, 1, 0, 0, 1],
+    ]
 
 
 def test_block_causal_mask_by_hand():
@@ -45,16 +79,18 @@ def test_block_causal_mask_by_hand():
     ]
 
 
-def random_sequences(n: int, seed: int = 0, tools: bool = False):
-    """`n` random rows and their advantages; `tools`: with a random loss mask each (about a third tool tokens)."""
+def random_sequences(n: int, seed: int = 0, tools: bool = False, group: int = 1):
+    """`n` random rows and their advantages; `tools`: with a random loss mask each (about a third tool tokens);
+    `group`: consecutive rows sampled from one prompt, as GRPO's groups are."""
     g = torch.Generator().manual_seed(seed)
     sequences = []
-    for _ in range(n):
+    for i in range(n):
         prompt_len, completion_len = (int(torch.randint(1, hi, (1,), generator=g)) for hi in (5, 8))
+        prompt = torch.randint(1, 16, (prompt_len,), generator=g).tolist() if i % group == 0 else sequences[-1][0]
         completion = torch.randint(1, 16, (completion_len,), generator=g).tolist()
         behav = (-torch.rand(completion_len, generator=g) * 3 - 1).tolist()
         mask = (torch.rand(completion_len, generator=g) > 0.3).long().tolist() if tools else []
-        sequences.append(Row(torch.randint(1, 16, (prompt_len,), generator=g).tolist(), completion, behav, mask))
+        sequences.append(Row(prompt, completion, behav, mask))
     return sequences, torch.randn(n, generator=g).tolist()
 
 
@@ -64,12 +100,14 @@ def padded_logprobs(model, batch):
     return torch.log_softmax(logits, dim=-1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)  # [N, T-1]
 
 
+@pytest.mark.parametrize("group", [1, 3], ids=["own prompts", "shared prompts"])
 @pytest.mark.parametrize("chunk_tokens", [packing.CHUNK_TOKENS, 7, 1], ids=["default", "mixed", "one by one"])
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
-def test_packed_logprobs_equal_padded(attn_implementation, chunk_tokens, tiny_qwen2, monkeypatch):
+def test_packed_logprobs_equal_padded(attn_implementation, chunk_tokens, group, tiny_qwen2, monkeypatch):
     monkeypatch.setattr(packing, "CHUNK_TOKENS", chunk_tokens)  # sequences attended alone, in runs, or mixed
     model = tiny_qwen2(attn_implementation)
-    batch = collate(*random_sequences(6), pad_id=0)
+    batch = collate(*random_sequences(9, group=group), pad_id=0)
+    assert len(pack(batch.input_ids, batch.attention_mask, batch.prompt_lengths).parents) == 9 + (group > 1) * 3
     valid = batch.attention_mask[:, 1:].bool()  # [N, T-1] positions that predict a real token
     with torch.no_grad():
         want = padded_logprobs(model, batch)
@@ -109,13 +147,14 @@ LOSS_OPTIONS = [  # caps that hit some tokens / sequences of the batch below (it
 ]
 
 
+@pytest.mark.parametrize("group", [1, 4], ids=["own prompts", "shared prompts"])
 @pytest.mark.parametrize("tools", [False, True], ids=["model tokens", "with tool tokens"])
 @pytest.mark.parametrize("options", LOSS_OPTIONS, ids=[o["aggregation"] for o in LOSS_OPTIONS])
-def test_packed_microbatched_gradients_equal_padded(options, tools, tiny_qwen2):
+def test_packed_microbatched_gradients_equal_padded(options, tools, group, tiny_qwen2):
     settings = LossSettings(clip_eps=0.2, clip_eps_high=0.28, max_new_tokens=8, **options)
     padded_model = tiny_qwen2()
     packed_model = copy.deepcopy(padded_model)
-    sequences, advantages = random_sequences(8, seed=1, tools=tools)
+    sequences, advantages = random_sequences(8, seed=1, tools=tools, group=group)
     batch = collate(sequences, advantages, pad_id=0)
     assert (batch.loss_mask.sum() < sum(len(row.completion) for row in sequences)) == tools  # tool tokens masked
     noise = torch.randn(batch.behav_logp.shape, generator=torch.Generator().manual_seed(2)) * 0.3  # [N, T-1]
@@ -123,6 +162,10 @@ def test_packed_microbatched_gradients_equal_padded(options, tools, tiny_qwen2):
         prox = (padded_logprobs(padded_model, batch) + noise) * batch.loss_mask  # [N, T-1] ratios off 1
     split = allocator("dynamic", 16, 2, 1)
     assert len(split(batch.attention_mask.sum(-1).tolist())) >= 3  # really several packed micro-batches
+    packs = [
+        pack(mb.input_ids, mb.attention_mask, mb.prompt_lengths) for mb in map(batch.select, batch.microbatches(split))
+    ]
+    assert any(max(p.parents) >= 0 for p in packs) == (group > 1)  # some micro-batch shares a prompt
 
     logp = padded_logprobs(padded_model, batch)
     want, _ = decoupled_ppo_loss(logp, prox, batch.behav_logp, batch.advantages, batch.loss_mask, settings)

@@ -60,7 +60,7 @@ def tampered(batch: TrainBatch) -> TrainBatch:
     noise = torch.randn(batch.behav_logp.shape, generator=g) * 1e3  # [N, T-1]
     behav = torch.where(masked, -noise.abs() - 200.0, batch.behav_logp)  # [N, T-1]
     advantages = torch.where(masked, noise, batch.advantages)  # [N, T-1]
-    return TrainBatch(batch.input_ids, batch.attention_mask, batch.loss_mask, behav, advantages)
+    return TrainBatch(batch.input_ids, batch.attention_mask, batch.loss_mask, behav, advantages, batch.prompt_lengths)
 
 
 @pytest.mark.parametrize(

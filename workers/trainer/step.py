@@ -50,6 +50,7 @@ class TrainBatch:
     loss_mask: torch.Tensor  # [N, T-1] 1.0 where the predicted token is a model token of the completion
     behav_logp: torch.Tensor  # [N, T-1] recorded behaviour logprobs (0 elsewhere)
     advantages: torch.Tensor  # [N, T-1] the sequence advantage on its completion tokens
+    prompt_lengths: torch.Tensor  # [N] tokens of each row's prompt (rows with the same prompt share it when packed)
 
     def select(self, rows: torch.Tensor) -> TrainBatch:
         return TrainBatch(*(t[rows] for t in vars(self).values()))
@@ -77,6 +78,7 @@ def collate(
     loss_mask = torch.zeros(n, width - 1)
     behav = torch.zeros(n, width - 1)
     adv = torch.zeros(n, width - 1)
+    prompt_lengths = torch.tensor([len(Row(*sequence).prompt) for sequence in sequences])
     for row, (sequence, advantage) in enumerate(zip(sequences, advantages, strict=True)):
         prompt, completion, logprobs, mask = Row(*sequence)
         length, start = len(prompt) + len(completion), len(prompt) - 1  # logits at start predict completion[0]
@@ -85,7 +87,7 @@ def collate(
         loss_mask[row, start : length - 1] = torch.tensor(mask, dtype=torch.float) if mask else 1.0
         behav[row, start : length - 1] = torch.tensor(logprobs)
         adv[row, start : length - 1] = advantage
-    return TrainBatch(input_ids, attention_mask, loss_mask, behav, adv).to(device)
+    return TrainBatch(input_ids, attention_mask, loss_mask, behav, adv, prompt_lengths).to(device)
 
 
 def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
@@ -101,20 +103,19 @@ def packed_logprobs(
     model: torch.nn.Module, batch: TrainBatch, temperature: float, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(token t+1 | tokens <= t) at the sampling temperature and the entropy of that
-    next-token distribution (no grad), [N, T-1] each, from one forward pass over the rows packed into one,
-    computed in `dtype` (autocast) up to the logits; the softmax is float32."""
+    next-token distribution (no grad), [N, T-1] each, from one forward pass over the rows packed into one
+    (rows with the same prompt share it), computed in `dtype` (autocast) up to the logits; the softmax is float32."""
     use_packed_attention(model)
-    packed = pack(batch.input_ids, batch.attention_mask)
+    packed = pack(batch.input_ids, batch.attention_mask, batch.prompt_lengths)
     with autocast(batch.input_ids.device, dtype):
-        logits = model(**packed.model_inputs()).logits[0, :-1]  # [L-1, V]
-    logits = logits.float()  # [L-1, V]; the same tensor when float32, else the temperature divides in float32
+        logits = model(**packed.model_inputs()).logits[0]  # [L, V]
+    logits = logits.float()  # [L, V]; the same tensor when float32, else the temperature divides in float32
     if temperature > 0:
         logits = logits / temperature
-    logp = torch.log_softmax(logits.float(), dim=-1)  # [L-1, V]
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [L, V]
     with torch.no_grad():
-        entropy = -(logp.exp() * logp).sum(-1)  # [L-1]
-    chosen = logp.gather(-1, packed.input_ids[0, 1:, None]).squeeze(-1)  # [L-1]
-    return packed.unpack(chosen), packed.unpack(entropy)
+        entropy = -(logp.exp() * logp).sum(-1)  # [L]
+    return packed.chosen(logp), packed.unpack(entropy)
 
 
 def token_logprobs(
