@@ -72,22 +72,29 @@ def collate(
 ) -> TrainBatch:
     """Right-padded tensors of the rows; only model tokens of the completions enter the loss (`loss_mask`),
     tool tokens are context like the prompt."""
-    n, width = len(sequences), max(len(row[0]) + len(row[1]) for row in sequences)
-    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros(n, width, dtype=torch.long)
-    loss_mask = torch.zeros(n, width - 1)
-    behav = torch.zeros(n, width - 1)
-    adv = torch.zeros(n, width - 1)
-    prompt_lengths = torch.tensor([len(Row(*sequence).prompt) for sequence in sequences])
-    for row, (sequence, advantage) in enumerate(zip(sequences, advantages, strict=True)):
-        prompt, completion, logprobs, mask = Row(*sequence)
-        length, start = len(prompt) + len(completion), len(prompt) - 1  # logits at start predict completion[0]
-        input_ids[row, :length] = torch.tensor(prompt + completion)
-        attention_mask[row, :length] = 1
-        loss_mask[row, start : length - 1] = torch.tensor(mask, dtype=torch.float) if mask else 1.0
-        behav[row, start : length - 1] = torch.tensor(logprobs)
-        adv[row, start : length - 1] = advantage
-    return TrainBatch(input_ids, attention_mask, loss_mask, behav, adv, prompt_lengths).to(device)
+    rows = [Row(*sequence) for sequence in sequences]
+    lengths = torch.tensor([len(row.prompt) + len(row.completion) for row in rows])  # [N]
+    completions = torch.tensor([len(row.completion) for row in rows])  # [N]
+    starts = lengths - completions - 1  # [N] the logits at len(prompt) - 1 predict completion[0]
+    width = int(lengths.max())
+    tokens = torch.arange(width)[None, :] < lengths[:, None]  # [N, T] row-major, as the flat lists below
+    predicted = torch.arange(width - 1)[None, :] - starts[:, None]  # [N, T-1] index into the completion
+    predicting = (predicted >= 0) & (predicted < completions[:, None])  # [N, T-1]
+
+    def filled(where: torch.Tensor, values: list, dtype: torch.dtype, fill: float = 0) -> torch.Tensor:
+        """A tensor of `where`'s shape holding `values` (one flat list, row after row) where it is True."""
+        out = torch.full(where.shape, fill, dtype=dtype)
+        out[where] = torch.tensor(values, dtype=dtype)
+        return out
+
+    return TrainBatch(
+        filled(tokens, [t for row in rows for t in row.prompt + row.completion], torch.long, pad_id),
+        tokens.long(),
+        filled(predicting, [m for row in rows for m in row.loss_mask or [1] * len(row.completion)], torch.float),
+        filled(predicting, [lp for row in rows for lp in row.logprobs], torch.float),
+        filled(predicting, [a for row, a in zip(rows, advantages, strict=True) for _ in row.completion], torch.float),
+        lengths - completions,  # prompt lengths
+    ).to(device)
 
 
 def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
@@ -295,7 +302,9 @@ def rows_that_train(batch: TrainBatch, chunk: list[int], lengths: list[int], los
     update then steps AdamW on a zero gradient (decay, moments) exactly as the whole minibatch would."""
     if loss.kl_coef > 0:
         return chunk
-    rows = [r for r in chunk if ((batch.advantages[r] != 0) & (batch.loss_mask[r] > 0)).any()]
+    index = torch.tensor(chunk, device=batch.advantages.device)  # [n]
+    trains = ((batch.advantages[index] != 0) & (batch.loss_mask[index] > 0)).any(-1).tolist()  # [n]
+    rows = [r for r, train in zip(chunk, trains, strict=True) if train]
     return rows or [min(chunk, key=lambda r: (lengths[r], r))]
 
 
