@@ -261,6 +261,39 @@ def test_re_prefill_is_chunked_by_length_and_changes_nothing(model, monkeypatch,
     assert chunked == one
 
 
+def test_a_context_to_prefill_twice_is_computed_once(model, forward, tmp_path):
+    """A group's samples share their prompt, and greedy ones their answer so far: each context is prefilled once,
+    at admission and again after a weight update, and every sequence goes on as if it were alone."""
+    prompts = [[1, 2, 3]] * 3 + [[4, 5, 6, 7]] * 2
+    engine = Engine(model, forward=forward)
+    prefilled = []
+
+    class Counted:  # the engine's forward, counting the rows each call prefills
+        def __call__(self, batch):
+            prefilled.append(batch.prefill)
+            return run(batch)
+
+        def __getattr__(self, name):
+            return getattr(run, name)
+
+    run, engine.forward = engine.forward, Counted()
+    seqs = [engine.submit(f"s{i}", prompt, GREEDY) for i, prompt in enumerate(prompts)]
+    for _ in range(3):
+        engine.step()
+    new_weights = perturbed(model)
+    engine.update_weights(as_version(new_weights, tmp_path, 1))
+    while not engine.idle():
+        engine.step()
+    assert prefilled[:4] == [2, 0, 0, 2]  # two contexts at admission, two again after the update
+
+    fresh = Engine(tiny_model(0), version=1, forward=forward)
+    fresh.model.load_state_dict(new_weights)
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        assert seq.token_ids[:3] == hf_greedy(tiny_model(0), prompt, 3)  # `model` holds the new weights now
+        rest = generate_all(fresh, [prompt + seq.token_ids[:3]], SamplingParams(temperature=0.0, max_new_tokens=9))
+        assert seq.token_ids[3:] == rest[0].token_ids and seq.versions == [0] * 3 + [1] * 9
+
+
 def test_admission_mid_flight_does_not_change_others(model, forward):
     alone = generate_all(Engine(model, forward=forward), PROMPTS[:2], GREEDY)
     engine = Engine(model, forward=forward)

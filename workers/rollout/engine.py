@@ -570,23 +570,49 @@ class Engine:
         The decode rows ride with the first prefill chunk; further chunks, each under
         max_prefill_tokens padded tokens and PREFILL_SPREAD in width, get their own
         forward (after an interruption every slot is re-prefilled, and padding them all
-        to the longest one would cost several times the real tokens).
+        to the longest one would cost several times the real tokens). A context to prefill
+        that another slot prefills too (a group's samples of one prompt, or the same answer
+        so far) is not computed again: its slot gets that slot's cache and logits.
         """
+        copies = self._same_contexts()  # slot -> the slot computing its context, for the slots at the end
+        computed = len(self.slots) - len(copies)
         logits, start = [], self.decoding
-        while start < len(self.slots) or not logits:
+        while start < computed or not logits:
             end = start  # grow the chunk while its padded size fits the budget (lengths ascend)
             while (
-                end < len(self.slots)
+                end < computed
                 and (end + 1 - start) * len(self.slots[end]) <= self.max_prefill_tokens
                 and len(self.slots[end]) <= PREFILL_SPREAD * len(self.slots[start])
             ):
                 end += 1
-            end = max(end, min(start + 1, len(self.slots)))  # a context longer than the budget goes alone
+            end = max(end, min(start + 1, computed))  # a context longer than the budget goes alone
             decode = self.decoding if not logits else 0
             logits.append(self.forward(self._batch(start - decode, start, end)))
             start = end
         self.decoding = len(self.slots)
-        return logits[0] if len(logits) == 1 else torch.cat(logits)  # [B, V]
+        logits = logits[0] if len(logits) == 1 else torch.cat(logits)  # [computed, V]
+        for slot, source in copies.items():
+            self.kv[:, :, slot, :, : len(self.slots[slot])] = self.kv[:, :, source, :, : len(self.slots[slot])]
+        return torch.cat([logits, logits[list(copies.values())]]) if copies else logits  # [B, V]
+
+    def _same_contexts(self) -> dict[int, int]:
+        """Move every slot to prefill whose context another one to prefill has too after those (the rest keep their
+        ascending lengths) and return {its slot: the first slot with that context}."""
+        first: dict[tuple[int, ...], int] = {}
+        unique, again = [], []
+        for seq in self.slots[self.decoding :]:
+            context = (*seq.prompt_ids, *seq.token_ids)
+            if context in first:
+                again.append((seq, first[context]))
+            else:
+                first[context] = self.decoding + len(unique)
+                unique.append(seq)
+        if not again:
+            return {}
+        self.slots[self.decoding :] = unique + [seq for seq, _ in again]
+        self.slots_changed = True
+        computed = self.decoding + len(unique)
+        return {computed + i: source for i, (_, source) in enumerate(again)}
 
     def _batch(self, first: int, prefill: int, end: int) -> Batch:
         """Slots first..prefill-1 decode their newest token; slots prefill..end-1 feed their whole context."""
