@@ -71,6 +71,19 @@ def as_version(tensors: dict[str, torch.Tensor], weights_dir, version: int) -> W
     return WeightsFile(path, version)
 
 
+def greedy_across_an_update(engine: Engine, prompts: list[list[int]], steps: int, tmp_path):
+    """`prompts` decoded greedily, `steps` tokens on the engine's weights and the rest on `perturbed` ones loaded
+    then as version 1: the sequences and those new weights."""
+    seqs = [engine.submit(f"s{i}", prompt, GREEDY) for i, prompt in enumerate(prompts)]
+    for _ in range(steps):
+        engine.step()
+    new_weights = perturbed(engine.model)
+    engine.update_weights(as_version(new_weights, tmp_path, 1))
+    while not engine.idle():
+        engine.step()
+    return seqs, new_weights
+
+
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt])
     out = model.generate(
@@ -176,13 +189,7 @@ def test_an_update_without_recompute_keeps_the_old_cache_and_computes_what_follo
     """recompute_cache=False: the reference is Hugging Face's cache of prompt + the first 4 tokens under the old
     weights, then greedy decoding under the new ones from the 5th token on (the newest, not yet cached)."""
     engine = Engine(model, version=0, forward=forward, recompute_cache=False)
-    seqs = [engine.submit(f"s{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
-    for _ in range(5):
-        engine.step()
-    new_weights = perturbed(model)
-    engine.update_weights(as_version(new_weights, tmp_path, 1))
-    while not engine.idle():
-        engine.step()
+    seqs, new_weights = greedy_across_an_update(engine, PROMPTS, 5, tmp_path)
 
     old, new = tiny_model(0), tiny_model(0)
     new.load_state_dict(new_weights)
@@ -277,13 +284,7 @@ def test_a_context_to_prefill_twice_is_computed_once(model, forward, tmp_path):
             return getattr(run, name)
 
     run, engine.forward = engine.forward, Counted()
-    seqs = [engine.submit(f"s{i}", prompt, GREEDY) for i, prompt in enumerate(prompts)]
-    for _ in range(3):
-        engine.step()
-    new_weights = perturbed(model)
-    engine.update_weights(as_version(new_weights, tmp_path, 1))
-    while not engine.idle():
-        engine.step()
+    seqs, new_weights = greedy_across_an_update(engine, prompts, 3, tmp_path)
     assert prefilled[:4] == [2, 0, 0, 2]  # two contexts at admission, two again after the update
 
     fresh = Engine(tiny_model(0), version=1, forward=forward)

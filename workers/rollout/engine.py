@@ -17,6 +17,8 @@ slot's sequence moves into the hole (one slot's cache copied), so no cache tenso
 concatenated, re-padded or re-sliced per step. A weight update loads in place and
 marks every running sequence for a full re-prefill (prompt + generated) in the next
 step's forward, so the next token comes from the new weights over a cache of them.
+Slots to prefill with the same context (a group's samples of one prompt; after an update,
+the same answer so far) are prefilled once: the others take that slot's cache and logits.
 
 The forward. For the Llama family (Llama, Qwen2, Qwen3) the engine runs its own
 forward over the HF model's own modules' parameters (embedding, q/k/v/o projections,
