@@ -75,9 +75,10 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lengths: 
     lengths = attention_mask.sum(-1).tolist()
     prompts = [0] * n if prompt_lengths is None else prompt_lengths.tolist()
     sharing: dict[tuple, list[int]] = {}  # prompt tokens -> rows with a completion after them
+    host_ids = input_ids.tolist() if prompt_lengths is not None else []  # one copy from the device, not one per row
     for row in range(n):
         if 0 < prompts[row] < lengths[row]:
-            sharing.setdefault(tuple(input_ids[row, : prompts[row]].tolist()), []).append(row)
+            sharing.setdefault(tuple(host_ids[row][: prompts[row]]), []).append(row)
     family = {rows[0]: rows for rows in sharing.values() if len(rows) > 1}  # first row -> the rows sharing
     shared = {row for rows in family.values() for row in rows}
     pieces, positions, bounds, parents = [], [], [0], []
