@@ -170,6 +170,26 @@ async def test_eta_zero_is_synchronous(broker, tmp_path, unique_name):
         assert released[scored.prompt_id].released_at_version == manifest.trainer_version
 
 
+async def test_groups_without_advantage_are_dropped_and_replaced_as_the_demo_runs(broker, tmp_path, unique_name):
+    """arith.yaml's `trainer.skip_uniform_groups` on the real broker: the untrained model's groups all score 0,
+    so each version drops up to the cap, the prompt source releases one group in place of each, and every
+    released group still ends trained or recorded as dropped."""
+    prefix, cap = unique_name("skip") + ".", 2
+    run_dir = run_pipeline(tmp_path, broker.bootstrap, prefix, f"trainer.skip_uniform_groups={cap}")
+    manifests, trained, released = await trained_view(broker.bootstrap, prefix)
+
+    uniform = [[d for d in m.dropped if d.reason.startswith("uniform: all 4 samples scored")] for m in manifests]
+    assert sorted(m.step for m in manifests) == list(range(1, STEPS + 1))
+    assert all(len(drops) <= cap for drops in uniform) and sum(map(len, uniform)) > 0
+    assert len(trained) == STEPS * GROUPS * SAMPLES  # the batch keeps its size
+    dropped = {d.prompt_id for m in manifests for d in m.dropped}
+    assert not dropped & {prompt_id_of(tid) for tid in trained}
+    assert len(released) > STEPS * GROUPS  # replacements were released
+    assert set(released) == {prompt_id_of(tid) for tid in trained} | dropped
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["outcome"] == "finished" and summary["groups_dropped"] == len(dropped)
+
+
 def _processes_mentioning(text: str) -> list[int]:
     """Live (non-zombie) processes whose command line contains `text`."""
     found = []
