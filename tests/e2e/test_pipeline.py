@@ -33,7 +33,6 @@ SMALL_RUN = [
     "rollout.max_new_tokens=40",
     "eval.every=0",
     "trainer.checkpoint.every=5",
-    "trainer.skip_uniform_groups=0",  # every group trains: these tests count groups and records
 ]
 
 
@@ -170,8 +169,8 @@ async def test_eta_zero_is_synchronous(broker, tmp_path, unique_name):
         assert released[scored.prompt_id].released_at_version == manifest.trainer_version
 
 
-async def test_groups_without_advantage_are_dropped_and_replaced_as_the_demo_runs(broker, tmp_path, unique_name):
-    """arith.yaml's `trainer.skip_uniform_groups` on the real broker: the untrained model's groups all score 0,
+async def test_groups_without_advantage_are_dropped_and_replaced(broker, tmp_path, unique_name):
+    """`trainer.skip_uniform_groups` on the real broker: the untrained model's groups all score 0,
     so each version drops up to the cap, the prompt source releases one group in place of each, and every
     released group still ends trained or recorded as dropped."""
     prefix, cap = unique_name("skip") + ".", 2
