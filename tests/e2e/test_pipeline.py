@@ -177,14 +177,16 @@ async def test_groups_without_advantage_are_dropped_and_replaced(broker, tmp_pat
     run_dir = run_pipeline(tmp_path, broker.bootstrap, prefix, f"trainer.skip_uniform_groups={cap}")
     manifests, trained, released = await trained_view(broker.bootstrap, prefix)
 
-    uniform = [[d for d in m.dropped if d.reason.startswith("uniform: all 4 samples scored")] for m in manifests]
+    no_advantage = f"uniform: all {SAMPLES} samples scored"
+    uniform = [[d for d in m.dropped if d.reason.startswith(no_advantage)] for m in manifests]
     assert sorted(m.step for m in manifests) == list(range(1, STEPS + 1))
     assert all(len(drops) <= cap for drops in uniform) and sum(map(len, uniform)) > 0
     assert len(trained) == STEPS * GROUPS * SAMPLES  # the batch keeps its size
     dropped = {d.prompt_id for m in manifests for d in m.dropped}
-    assert not dropped & {prompt_id_of(tid) for tid in trained}
+    trained_groups = {prompt_id_of(tid) for tid in trained}
+    assert not dropped & trained_groups
     assert len(released) > STEPS * GROUPS  # replacements were released
-    assert set(released) == {prompt_id_of(tid) for tid in trained} | dropped
+    assert set(released) == trained_groups | dropped
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["outcome"] == "finished" and summary["groups_dropped"] == len(dropped)
 
