@@ -136,7 +136,12 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
 def add_peer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the task config, for both systems")
     add_task_argument(parser, default="arith")
-    parser.add_argument("--steps", type=int, help="trainer steps of each (default: the task config's trainer.steps)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help="trainer steps of each (default: 1,200 on arith, TRL's run in the README, which needs them to learn "
+        "what asyncrl's shipped arith config learns in 600; else the task config's trainer.steps)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="demo model, data order and sampling (default: 0)")
     parser.add_argument(
         "--threads", type=int, help="cores both systems are pinned to, the peer's torch threads (default: all usable)"

@@ -50,6 +50,9 @@ TRL_MISSING = "asyncrl bench peer needs TRL: pip install -e '.[peer]'"
 LOSS_TYPES = {"token_mean": "dapo", "seq_mean": "grpo", "token_sum_norm": "dr_grpo"}
 # trainer.loss.advantage -> TRL's scale_rewards (TRL's GRPO has no leave-one-out baseline)
 REWARD_SCALING = {"grpo": "group", "drgrpo": "none"}
+# steps of both systems when --steps is not given, by task (else the task config's): TRL's run on arith as
+# the README measures it, twice the shipped arith config's 600 (which drops groups without advantage)
+PEER_STEPS = {"arith": 1200}
 
 
 # ---- curves and the ratio: pure functions ----
@@ -305,7 +308,8 @@ def use_cores(threads: int | None) -> list[int]:
 
 def shared_overrides(args: argparse.Namespace, runs_dir: Path) -> list[str]:
     """The task config's changes both systems see."""
-    steps = [f"trainer.steps={args.steps}"] if args.steps else []
+    steps = args.steps or PEER_STEPS.get(task_label(args.task))
+    steps = [f"trainer.steps={steps}"] if steps else []
     return [*args.overrides, *steps, f"seed={args.seed}", "telemetry.sample_ratio=0", f"runs_dir={runs_dir}"]
 
 

@@ -31,6 +31,7 @@ SMALL_RUN = [
     "eval.every=0",
     "eval.max_rows=4",
     "trainer.checkpoint.every=1000",
+    "trainer.skip_uniform_groups=0",  # every group trains: these tests count groups and records
 ]
 
 

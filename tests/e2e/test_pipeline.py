@@ -33,6 +33,7 @@ SMALL_RUN = [
     "rollout.max_new_tokens=40",
     "eval.every=0",
     "trainer.checkpoint.every=5",
+    "trainer.skip_uniform_groups=0",  # every group trains: these tests count groups and records
 ]
 
 

@@ -55,7 +55,12 @@ WHEELHOUSE = CACHE / "wheels"
 BASE_IMAGE, IMAGE = "asyncrl-base:bookworm", "asyncrl:latest"
 ROLES = ("prompts", "rollout", "reward", "trainer")
 STEPS, GROUPS = 20, 2
-SMALL_RUN = [f"trainer.batch_groups={GROUPS}", "data.n_samples=4", "model.warmup_steps=0"]
+SMALL_RUN = [
+    f"trainer.batch_groups={GROUPS}",
+    "data.n_samples=4",
+    "model.warmup_steps=0",
+    "trainer.skip_uniform_groups=0",
+]
 SBIN_PATH = os.environ.get("PATH", "/usr/bin:/bin") + ":/usr/sbin:/sbin"
 
 

@@ -43,7 +43,7 @@ from topics.export import export_topics, load_export
 from workers.announce import load_key
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL_RUN = ["trainer.batch_groups=2", "data.n_samples=4", "model.warmup_steps=0"]
+SMALL_RUN = ["trainer.batch_groups=2", "data.n_samples=4", "model.warmup_steps=0", "trainer.skip_uniform_groups=0"]
 FINAL_STATES = {
     "COMPLETED",
     "CANCELLED",

@@ -82,7 +82,7 @@ def test_measured_row_from_a_curve():
 def test_trl_settings_are_the_task_configs():
     settings = peer.grpo_settings(resolve(task_config("arith", [])), 50, "out")
     assert (settings["per_device_train_batch_size"], settings["num_generations"]) == (64, 8)
-    assert (settings["learning_rate"], settings["max_completion_length"], settings["max_steps"]) == (1e-4, 16, 1200)
+    assert (settings["learning_rate"], settings["max_completion_length"], settings["max_steps"]) == (1e-4, 16, 600)
     assert (settings["loss_type"], settings["scale_rewards"], settings["temperature"]) == ("dapo", "group", 1.0)
     assert (settings["lr_scheduler_type"], settings["bf16"], settings["gradient_checkpointing"]) == (
         "constant",
@@ -107,6 +107,16 @@ def test_verifier_scores_by_row_and_counts_the_completion_tokens():
 def test_cli_defaults_to_arith():
     args = build_parser().parse_args(["bench", "peer"])
     assert (args.task, args.steps, args.seed, args.threads, args.out) == ("arith", None, 0, None, None)
+
+
+def test_both_systems_run_the_peers_1200_steps_on_arith_else_the_task_configs_unless_told(tmp_path):
+    def steps(*argv: str) -> list[str]:
+        overrides = peer.shared_overrides(build_parser().parse_args(["bench", "peer", *argv]), tmp_path)
+        return [o for o in overrides if o.startswith("trainer.steps=")]
+
+    assert steps() == ["trainer.steps=1200"]  # arith.yaml's own 600 drop groups without advantage; TRL's do not
+    assert steps("--task", "chain") == []  # chain.yaml's 200
+    assert steps("--steps", "40") == steps("--task", "chain", "--steps", "40") == ["trainer.steps=40"]
 
 
 def test_too_many_threads_is_a_config_error():

@@ -76,8 +76,8 @@ def test_prepare_defaults_to_the_chain_config_and_its_steps(tmp_path):
 def test_prepare_for_arith_quick():
     prepared = staleness.prepare(args_for("--task", "arith", "--quick", "--eval-every", "20"))
     assert prepared.out == Path("runs/bench/staleness-arith-quick.json")  # nothing is written by prepare
-    assert prepared.plan.steps == 600 and len(prepared.configs) == 4  # half arith.yaml's 1,200
-    assert {(c.data.task, c.trainer.steps, c.eval.every) for c in prepared.configs.values()} == {("arith", 600, 20)}
+    assert prepared.plan.steps == 300 and len(prepared.configs) == 4  # half arith.yaml's 600
+    assert {(c.data.task, c.trainer.steps, c.eval.every) for c in prepared.configs.values()} == {("arith", 300, 20)}
     with pytest.raises(ConfigError, match="positive"):
         staleness.prepare(args_for("--task", "arith", "--steps", "0"))
 

@@ -77,12 +77,12 @@ def test_every_field_is_described():
 def test_dry_run_shows_the_values_that_run(capsys, tmp_path):
     assert main(["run", "--dry-run", f"runs_dir={tmp_path}", "trainer.optim.lr=5e-5"]) == 0
     shown = yaml.safe_load(capsys.readouterr().out)
-    assert shown["trainer"]["steps"] == 1200  # the demo config's, not the schema default
+    assert shown["trainer"]["steps"] == 600  # the demo config's, not the schema default
     assert shown["trainer"]["optim"]["lr"] == 5e-5 and shown["broker"]["fetch_wait_ms"] == 200
     assert shown["trainer"]["checkpoint"]["weights_dir"] == str(tmp_path / "arith" / "weights")
     assert main(["run", "--dry-run", "--explain", "trainer.max_staleness=0"]) == 0
     explained = capsys.readouterr().out
-    assert "trainer.steps = 1200  # " in explained and "broker.fetch_wait_ms = 20  # " in explained
+    assert "trainer.steps = 600  # " in explained and "broker.fetch_wait_ms = 20  # " in explained
 
 
 def test_resolve_is_idempotent_and_keeps_what_was_set():

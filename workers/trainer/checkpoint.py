@@ -28,7 +28,7 @@ class TrainerState:
     resume_offsets: dict[int, int] = field(default_factory=dict)  # `scored` partition -> first offset to re-read
     done_prompts: list[str] = field(default_factory=list)  # groups trained or dropped: never taken again
     groups_consumed: int = 0
-    groups_dropped: int = 0
+    groups_dropped: int = 0  # dropped groups recorded in manifests (a restart redoes the unrecorded ones)
     trained_tokens: int = 0
     trained_trajectories: int = 0
     interrupted_trajectories: int = 0

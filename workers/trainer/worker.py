@@ -124,7 +124,7 @@ class Lead:
     ):
         self.ctx, self.trainer, self.outbox, self.feed, self.redo = ctx, trainer, outbox, feed, redo
         self.state, self.cfg = trainer.state, ctx.config.trainer
-        self.pending_drops: list[DroppedGroup] = []  # dropped since the last manifest, recorded in the next one
+        self.pending_drops: list[DroppedGroup] = []  # dropped since the last manifest; the next records and counts them
         self.metrics, self.started = ctx.metrics(), time.monotonic()
         self.step_ended = time.perf_counter()  # the wait for the next batch starts here
         self.publishing: asyncio.Task | None = None  # the newest version's write and announcement, off the step's path
@@ -149,7 +149,6 @@ class Lead:
         if dropped:
             for group in dropped:
                 self.feed.traces.pop(group.prompt_id, None)
-            self.state.groups_dropped += len(dropped)
             self.pending_drops += dropped
             if stale := [d for d in dropped if not d.reason.startswith(UNIFORM)]:  # uniform ones: by design
                 self.ctx.log.warning("groups dropped", groups=[d.prompt_id for d in stale], reason=stale[0].reason)
@@ -166,6 +165,7 @@ class Lead:
             manifest = new_manifest(groups, self.state.step, self.feed.resume_offsets(), self.pending_drops)
             recorded = await self.outbox.send("batches", manifest, key=manifest.step)
             self.pending_drops = []
+        self.state.groups_dropped += len(manifest.dropped)  # a redone manifest's drops too: the count is the manifests'
         clock.lap("time_manifest")
         step_started, tracer = time.monotonic(), self.ctx.tracer
         with tracer.start_as_current_span("train step", attributes={"asyncrl.step": manifest.step}) as step_span:
@@ -223,7 +223,8 @@ class Lead:
         self.copied = st.step
         clock.lap("time_publish")
         version = {"version": st.step, "step": st.step, "final": final}
-        counts = {"groups_consumed": st.groups_consumed, "groups_dropped": st.groups_dropped}
+        dropped = st.groups_dropped + len(self.pending_drops)  # the source releases in their place at once
+        counts = {"groups_consumed": st.groups_consumed, "groups_dropped": dropped}
         previous, snapped = self.publishing, time.perf_counter()
         self.publishing = asyncio.create_task(self.publish(weights, version | counts, [previous, after], snapped))
         if final:
