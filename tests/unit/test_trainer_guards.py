@@ -108,27 +108,33 @@ def scored(group: PromptGroup, sample: int, reward: float) -> Scored:
     )
 
 
+def guard_config(tmp_path, model_dir, steps: int, overrides=()):
+    """A trainer of one group of 2 samples per step, on the in-memory broker."""
+    overrides = [*overrides, "name=guard", f"model.path={model_dir}", "broker.bootstrap=memory"]
+    overrides += [f"runs_dir={tmp_path}", "trainer.batch_groups=1", "data.n_samples=2", f"trainer.steps={steps}"]
+    return resolve(load_config(None, overrides))
+
+
+async def send_groups(transport: MemoryTransport, rewards, first: int = 0) -> None:
+    """Groups p<first>, p<first + 1>, ... released at version 0 and scored, one per (reward, reward) pair."""
+    async with transport.outbox() as outbox:
+        for n, pair in enumerate(rewards, start=first):
+            group = PromptGroup(
+                prompt_id=f"p{n}", row_index=n, epoch=0, release_index=n, released_at_version=0, prompt_text="47+8=",
+                prompt_tokens=[7, 10, 13], answer="55", n_samples=2,
+            )  # fmt: skip
+            await outbox.send_now("prompts", group, key=group.prompt_id)
+            for sample, reward in enumerate(pair):
+                await outbox.send_now("scored", scored(group, sample, reward), key=group.prompt_id)
+
+
 async def run_trainer_on_two_groups(
     tmp_path, model_dir, transport: MemoryTransport, steps: int = 2, rewards=None, overrides=()
 ):
     """The trainer loop for `steps` steps of one group of 2 samples, from an in-memory broker holding a group
     per (reward, reward) pair of `rewards` (default: `steps` groups scored 0 and 1); its config."""
-    rewards = rewards or [(0.0, 1.0)] * steps
-    overrides = [*overrides, "name=guard", f"model.path={model_dir}", "broker.bootstrap=memory"]
-    overrides += [f"runs_dir={tmp_path}", "trainer.batch_groups=1", "data.n_samples=2", f"trainer.steps={steps}"]
-    config = resolve(load_config(None, overrides))
-    groups = [
-        PromptGroup(
-            prompt_id=f"p{n}", row_index=n, epoch=0, release_index=n, released_at_version=0, prompt_text="47+8=",
-            prompt_tokens=[7, 10, 13], answer="55", n_samples=2,
-        )
-        for n in range(len(rewards))
-    ]  # fmt: skip
-    async with transport.outbox() as outbox:
-        for group, pair in zip(groups, rewards, strict=True):
-            await outbox.send_now("prompts", group, key=group.prompt_id)
-            for sample, reward in enumerate(pair):
-                await outbox.send_now("scored", scored(group, sample, reward), key=group.prompt_id)
+    config = guard_config(tmp_path, model_dir, steps, overrides)
+    await send_groups(transport, rewards or [(0.0, 1.0)] * steps)
     await asyncio.wait_for(trainer_worker.main(config, asyncio.Event(), transport), 60)
     return config
 
@@ -213,6 +219,53 @@ async def test_with_skip_uniform_groups_a_group_without_advantage_is_recorded_dr
     assert announced[-1].groups_dropped == 2 and announced[-1].groups_consumed == 2
     assert [a.version for a in announced] == [0, 0, 1, 2]  # drops announce their version's file again...
     assert written == [0, 1, 2]  # ...without writing it again
+
+
+async def test_a_drop_pending_at_a_stop_is_kept_by_its_checkpoint_and_recorded_by_the_restarted_trainer(
+    tmp_path, demo_model_dir
+):
+    """Stopped after dropping p1 (no advantage) and before any manifest records it: the stop's checkpoint keeps
+    the drop, and the trainer restarted from it records it in its first manifest and counts it, although it
+    reads `scored` from past p1's records (a trainer that left the drop to be redone waited for them)."""
+    transport = MemoryTransport(TopicLayout())
+    config = guard_config(tmp_path, demo_model_dir, steps=2, overrides=["trainer.skip_uniform_groups=2"])
+
+    async def announced(predicate) -> None:
+        while not any(predicate(a) for a in transport.broker.messages("weights", WeightVersion)):
+            await asyncio.sleep(0.01)
+
+    await send_groups(transport, [(0.0, 1.0)])  # p0, trained at step 1
+    stop = asyncio.Event()
+    first = asyncio.create_task(trainer_worker.main(config, stop, transport))
+    await asyncio.wait_for(announced(lambda a: a.version == 1), 60)
+    await send_groups(transport, [(1.0, 1.0)], first=1)  # p1: dropped after step 1's manifest
+    await asyncio.wait_for(announced(lambda a: a.groups_dropped == 1), 60)  # drops are announced at once
+    stop.set()
+    await asyncio.wait_for(first, 60)
+    assert [m.step for m in transport.broker.messages("batches", BatchManifest)] == [1]  # p1 is in none yet
+
+    await send_groups(transport, [(0.0, 1.0)], first=2)  # p2, for step 2
+    await asyncio.wait_for(trainer_worker.main(config, asyncio.Event(), transport), 60)
+    manifests = transport.broker.messages("batches", BatchManifest)
+    assert [sorted({prompt_id_of(t) for t in m.trajectory_ids}) for m in manifests] == [["p0"], ["p2"]]
+    assert [[d.prompt_id for d in m.dropped] for m in manifests] == [[], ["p1"]]
+    final = transport.broker.messages("weights", WeightVersion)[-1]
+    assert (final.version, final.final, final.groups_dropped, final.groups_consumed) == (2, True, 1, 2)
+
+
+def test_restore_keeps_the_checkpoints_pending_drops_that_no_manifest_has_recorded():
+    from workers.trainer.checkpoint import TrainerState
+
+    reason = "uniform: all 2 samples scored 1 (no advantage)"
+    state = TrainerState(step=1, done_prompts=["p0", "p1", "p2"], pending_drops=[("p1", reason), ("p2", reason)])
+    manifest = BatchManifest(
+        step=2, trainer_version=1, trajectory_ids=["p3/0", "p3/1"], scored_offsets=[(0, 6), (0, 7)],
+        consumed_offsets=[], dropped=[DroppedGroup(prompt_id="p1", reason=reason)],
+    )  # fmt: skip
+    redo, buffer, pending = trainer_worker.restore([manifest], state)
+    assert redo == [manifest]  # written after the checkpoint: it records p1, so p1 is no longer pending
+    assert pending == [DroppedGroup(prompt_id="p2", reason=reason)]
+    assert {"p0", "p1", "p2"} <= buffer.done_prompts and "p3" not in buffer.done_prompts  # the redo trains p3
 
 
 def test_a_manifest_lists_the_groups_without_advantage_it_trains_and_drops():

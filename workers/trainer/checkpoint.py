@@ -27,8 +27,9 @@ class TrainerState:
     step: int = 0  # optimizer steps done == current weight version
     resume_offsets: dict[int, int] = field(default_factory=dict)  # `scored` partition -> first offset to re-read
     done_prompts: list[str] = field(default_factory=list)  # groups trained or dropped: never taken again
+    pending_drops: list[tuple[str, str]] = field(default_factory=list)  # (prompt id, reason): no manifest has them yet
     groups_consumed: int = 0
-    groups_dropped: int = 0  # dropped groups recorded in manifests (a restart redoes the unrecorded ones)
+    groups_dropped: int = 0  # dropped groups recorded in manifests (pending_drops not yet)
     trained_tokens: int = 0
     trained_trajectories: int = 0
     interrupted_trajectories: int = 0

@@ -52,13 +52,17 @@ from workers.trainer.step import PhaseClock
 from workers.vocab import outside_vocab
 
 
-def restore(manifests: list[BatchManifest], state: checkpoint.TrainerState) -> tuple[list[BatchManifest], GroupBuffer]:
-    """After a (re)start from `state`: the manifests to re-execute, and a buffer that skips what is done."""
+def restore(
+    manifests: list[BatchManifest], state: checkpoint.TrainerState
+) -> tuple[list[BatchManifest], GroupBuffer, list[DroppedGroup]]:
+    """After a (re)start from `state`: the manifests to re-execute, a buffer that skips what is done, and the
+    groups the checkpoint had dropped that no manifest records yet (the next new manifest must)."""
     redo = [m for m in manifests if m.step > state.step]  # written, but the step was lost with the process
     trained = {t for m in manifests if m.step <= state.step for t in m.trajectory_ids}
     dropped = {d.prompt_id for m in manifests for d in m.dropped}
     done = set(state.done_prompts) | {prompt_id_of(t) for t in trained} | dropped
-    return redo, GroupBuffer(trained, done)
+    pending = [DroppedGroup(prompt_id=pid, reason=reason) for pid, reason in state.pending_drops if pid not in dropped]
+    return redo, GroupBuffer(trained, done), pending
 
 
 def new_manifest(
@@ -120,11 +124,17 @@ class Lead:
     """Rank 0's side of each step: which batch, its manifest, the step, weights out, checkpoints, metrics."""
 
     def __init__(
-        self, ctx: runtime.WorkerContext, trainer: Trainer, outbox: Outbox, feed: Feed, redo: list[BatchManifest]
+        self,
+        ctx: runtime.WorkerContext,
+        trainer: Trainer,
+        outbox: Outbox,
+        feed: Feed,
+        redo: list[BatchManifest],
+        pending_drops: list[DroppedGroup],
     ):
         self.ctx, self.trainer, self.outbox, self.feed, self.redo = ctx, trainer, outbox, feed, redo
         self.state, self.cfg = trainer.state, ctx.config.trainer
-        self.pending_drops: list[DroppedGroup] = []  # dropped since the last manifest; the next records and counts them
+        self.pending_drops = pending_drops  # dropped since the last manifest; the next records and counts them
         self.metrics, self.started = ctx.metrics(), time.monotonic()
         self.step_ended = time.perf_counter()  # the wait for the next batch starts here
         self.publishing: asyncio.Task | None = None  # the newest version's write and announcement, off the step's path
@@ -261,8 +271,8 @@ class Lead:
                 self.ctx.log.warning("checkpoint skipped: topics not exported", step=st.step, error=str(exc))
                 return
         st.resume_offsets = self.feed.resume_offsets()  # re-read whatever is not trained yet
-        unrecorded = {d.prompt_id for d in self.pending_drops}  # drops not in a manifest yet are redone
-        st.done_prompts = sorted(self.feed.buffer.done_prompts - unrecorded)
+        st.done_prompts = sorted(self.feed.buffer.done_prompts)
+        st.pending_drops = [(d.prompt_id, d.reason) for d in self.pending_drops]  # their records are not re-read
         await asyncio.to_thread(self.trainer.save)
 
     def report(self, stats: dict, step_seconds: float) -> None:
@@ -305,7 +315,7 @@ async def lead(ctx: runtime.WorkerContext, trainer: Trainer, stop: asyncio.Event
         for r in await ctx.transport.read_all("batches", BatchManifest)
         if isinstance(r.message, BatchManifest)
     ]
-    redo, buffer = restore(manifests, st)
+    redo, buffer, pending_drops = restore(manifests, st)
     ctx.log.info(
         "trainer started",
         step=st.step,
@@ -319,7 +329,7 @@ async def lead(ctx: runtime.WorkerContext, trainer: Trainer, stop: asyncio.Event
         ctx.transport.inbox("scored", Scored, outbox, origin=ctx.id, start_offsets=st.resume_offsets) as scored,
         ctx.transport.inbox("prompts", PromptGroup, outbox, origin=ctx.id) as releases,  # deadlines of groups
     ):
-        loop = Lead(ctx, trainer, outbox, Feed(buffer, releases, scored, trainer.vocab), redo)
+        loop = Lead(ctx, trainer, outbox, Feed(buffer, releases, scored, trainer.vocab), redo, pending_drops)
         try:
             await loop.announce()
             groups: list[Group] = []
