@@ -79,8 +79,10 @@ def check_trained_once(run_dir: Path, done: subprocess.CompletedProcess, checkpo
     assert [len(m.trajectory_ids) for m in manifests] == [GROUPS * SAMPLES] * STEPS
     trained = Counter(t for m in manifests for t in m.trajectory_ids)
     assert max(trained.values()) == 1 and len(trained) == STEPS * GROUPS * SAMPLES
+    dropped = Counter(d.prompt_id for m in manifests for d in m.dropped)  # groups without advantage, if dropping
+    assert set(dropped.values()) <= {1} and not set(dropped) & {prompt_id_of(t) for t in trained}
     released = Counter(g.prompt_id for g in decoded["prompts"])
-    assert max(released.values()) == 1 and set(released) == {prompt_id_of(t) for t in trained}
+    assert max(released.values()) == 1 and set(released) == {prompt_id_of(t) for t in trained} | set(dropped)
     scored = {(r.partition, r.offset): r.value for r in export.records["scored"]}
     for manifest in manifests:
         named = [decode(scored[tuple(where)], Scored).trajectory_id for where in manifest.scored_offsets]
@@ -90,6 +92,7 @@ def check_trained_once(run_dir: Path, done: subprocess.CompletedProcess, checkpo
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["outcome"], summary["steps"], summary["resumed_from"]) == ("finished", STEPS, [checkpoint])
     assert summary["trained_trajectories"] == STEPS * GROUPS * SAMPLES
+    assert summary["groups_dropped"] == dropped.total()
     assert mentioning(str(run_dir)) == []
 
 
@@ -125,8 +128,11 @@ def test_a_run_whose_broker_was_sigkilled_is_resumed(launch) -> None:
 
 
 @pytest.mark.chaos  # short version in make test: the sigkilled launcher's resume, and SIGTERM's own checkpoint (test_clean_stops)
-def test_a_sigtermed_run_is_resumed(launch) -> None:
-    run = launch("trainer.checkpoint.every=100")  # no periodic checkpoint: the stop's own is resumed from
+@pytest.mark.parametrize("skip", [0, 16], ids=["every-group-trained", "groups-without-advantage-dropped"])
+def test_a_sigtermed_run_is_resumed(launch, skip: int) -> None:
+    """With dropping (every group of the untrained model scores 0), the stop comes while the trainer holds
+    drops no manifest records yet: its checkpoint must keep them (`restore`), or they are lost."""
+    run = launch("trainer.checkpoint.every=100", f"trainer.skip_uniform_groups={skip}")  # the stop's own checkpoint
     run.process.send_signal(signal.SIGTERM)
     assert run.process.wait(timeout=90) == 128 + signal.SIGTERM
     wait_until_gone(run, within_s=5)
