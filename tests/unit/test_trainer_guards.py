@@ -23,6 +23,7 @@ from workers import runtime
 from workers.trainer import step as step_module
 from workers.trainer import worker as trainer_worker
 from workers.trainer.buffer import GroupBuffer
+from workers.trainer.checkpoint import TrainerState
 from workers.trainer.losses import LossSettings
 from workers.trainer.model import Trainer
 from workers.trainer.step import StepSettings, collate, train_step
@@ -254,8 +255,6 @@ async def test_a_drop_pending_at_a_stop_is_kept_by_its_checkpoint_and_recorded_b
 
 
 def test_restore_keeps_the_checkpoints_pending_drops_that_no_manifest_has_recorded():
-    from workers.trainer.checkpoint import TrainerState
-
     reason = "uniform: all 2 samples scored 1 (no advantage)"
     state = TrainerState(step=1, done_prompts=["p0", "p1", "p2"], pending_drops=[("p1", reason), ("p2", reason)])
     manifest = BatchManifest(
