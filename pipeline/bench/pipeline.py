@@ -16,7 +16,9 @@ tokens consumed by PPO updates per second after the first `--warmup-steps` steps
 throughput is the tokens the rollout worker emitted per second over the same window. Where
 the time goes: the trainer's share of the window spent in its steps, the cores each role was
 given (processes x threads, `cores_given`, against the machine's) and the cores each used over
-the window (sampled from /proc, `cpu_cores`).
+the window (sampled from /proc, `cpu_cores`). What bounds the ratio (`cpu_bound`): each run's
+core-seconds per step, and the async/sync ratio the async run's work per step would give with
+every usable core busy: the ceiling of this machine, short of doing less work per step.
 
 The learning rate is tiny by default (`--lr`): the training compute is the same, but
 the policy stays put, so every run generates the same length distribution. With a
@@ -112,6 +114,18 @@ def step_breakdown(steps: list[dict]) -> dict[str, float]:
     }
 
 
+def cpu_bound(runs: dict[str, dict], usable_cores: int) -> dict:
+    """Each run's CPU work per step (the cores all roles used over its window / its steps per second) and what
+    async's work allows: its steps per second with every usable core busy, and that over sync's steps per second."""
+    per_step = {name: sum(r["cpu_cores"].values()) / r["steps_per_s"] for name, r in runs.items()}
+    ceiling = usable_cores / per_step["async"]
+    return {
+        "core_seconds_per_step": {name: round(seconds, 3) for name, seconds in per_step.items()},
+        "async_ceiling_steps_per_s": round(ceiling, 3),
+        "async_ceiling_over_sync": round(ceiling / runs["sync"]["steps_per_s"], 3),
+    }
+
+
 def out_path(args: argparse.Namespace) -> Path:
     return Path(args.out or f"runs/bench/pipeline-{task_label(args.task)}.json")
 
@@ -185,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
             results["async"]["trained_tokens_per_s"] / results["async_no_interrupt"]["trained_tokens_per_s"], 3
         ),
         "cores_given": cores_given(config, info["cpu_count"], info["usable_cores"]),
+        "cpu_bound": cpu_bound(results, info["usable_cores"]),
         "runs": results,
         "settings": {
             **vars(args),
@@ -230,6 +245,14 @@ def table(report: dict) -> str:
     for name, r in report["runs"].items():
         cores = ", ".join(f"{role} {used:.2f}" for role, used in r["cpu_cores"].items())
         lines.append(f"{name} cores used: {cores} (total {sum(r['cpu_cores'].values()):.2f})")
+    bound = report["cpu_bound"]
+    lines.append(
+        "core-seconds per step: "
+        + ", ".join(f"{name} {seconds:.2f}" for name, seconds in bound["core_seconds_per_step"].items())
+        + f"; all {report['cores_given']['usable_cores']} usable cores busy with async's work: "
+        f"{bound['async_ceiling_steps_per_s']:.3f} steps/s, {bound['async_ceiling_over_sync']:.2f}x sync "
+        "(this machine's ceiling)"
+    )
     lines.append("trainer step breakdown, mean seconds per step:")
     for name, r in report["runs"].items():
         lines.append(f"  {name}: " + ", ".join(f"{phase} {s:.3f}" for phase, s in r["step_breakdown"].items()))

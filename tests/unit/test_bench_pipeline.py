@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from pipeline.bench import cores_given, cores_line, task_config
-from pipeline.bench.pipeline import out_path, shared_model, table, variant_configs, window_rates
+from pipeline.bench.pipeline import cpu_bound, out_path, shared_model, table, variant_configs, window_rates
 from pipeline.cli import build_parser
 from pipeline.config import resolve
 
@@ -138,6 +138,19 @@ def test_one_demo_model_for_the_task_and_seed_serves_the_three_runs(monkeypatch)
     assert len({c.model.path for c in configs.values()}) == 1 and configs["sync"].model.path.endswith("arith-seed3")
 
 
+def test_cpu_bound_is_work_per_step_against_the_cores():
+    runs = {
+        "sync": {"steps_per_s": 0.5, "cpu_cores": {"rollout": 1.0, "trainer": 0.25}},  # 2.5 core-seconds a step
+        "async": {"steps_per_s": 1.0, "cpu_cores": {"rollout": 1.5, "trainer": 0.3, "broker": 0.2}},  # 2.0
+    }
+    assert cpu_bound(runs, usable_cores=2) == {
+        "core_seconds_per_step": {"sync": 2.5, "async": 2.0},
+        "async_ceiling_steps_per_s": 1.0,  # async already keeps both cores busy
+        "async_ceiling_over_sync": 2.0,
+    }
+    assert cpu_bound(runs, usable_cores=4)["async_ceiling_over_sync"] == 4.0
+
+
 def test_cores_given_per_role_against_the_machine():
     given = ["rollout.workers=2", "broker.partitions=2", "rollout.threads=3", "trainer.ranks=2", "reward.processes=4"]
     config = task_config("arith", given)
@@ -176,6 +189,11 @@ def test_the_table_names_the_task_and_the_cores_given_and_used():
         "runs": {"async": run},
         "settings": {**settings, "warmup_steps": 10},
         "cores_given": cores_given(task_config("arith", []), cpu_count=2, usable_cores=2),
+        "cpu_bound": {
+            "core_seconds_per_step": {"async": 3.46},
+            "async_ceiling_steps_per_s": 0.578,
+            "async_ceiling_over_sync": 2.89,
+        },
         "async_over_sync": 2.2834,
         "interrupt_on_over_off": 0.98,
         "interrupt_on_over_off_trained": 0.981,
@@ -188,7 +206,11 @@ def test_the_table_names_the_task_and_the_cores_given_and_used():
         "reward scored in the reward worker (reward.processes=0); 2 threads in all on 2 usable cores (machine: 2)"
     )
     assert lines[4] == "async cores used: trainer 0.90, rollout 0.83 (total 1.73)"
-    assert lines[5:] == [
+    assert lines[5] == (
+        "core-seconds per step: async 3.46; all 2 usable cores busy with async's work: 0.578 steps/s, 2.89x sync "
+        "(this machine's ceiling)"
+    )
+    assert lines[6:] == [
         "trainer step breakdown, mean seconds per step:",
         "  async: wait 0.010, train 0.381",
         "weights per version, ms: trainer write + hash | rollout verify + interrupt + load",

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from fixed_draws import Draws
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from math_verify import parse, verify
 
 from workers.tasks import EOS_TEXT
 from workers.tasks.chain import Chain, teacher_solution, worked_solution
@@ -23,6 +26,30 @@ def test_score_reads_only_the_final_boxed_answer_before_the_end():
     assert CHAIN.score("\\boxed{7}\\boxed{41}", "41") == 1.0  # the last one
     assert CHAIN.final_answer("x;\\boxed{104}" + EOS_TEXT) == "104"
     assert CHAIN.final_answer("no answer") == ""
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.from_regex(r"\A[0-9]{1,12}\Z"), st.from_regex(r"\A[0-9]{1,12}\Z"))
+def test_digit_answers_get_math_verifys_verdict(answer, final):
+    """The integer comparison of two digit strings is math-verify's verdict (leading zeros included)."""
+    gold, predicted = parse(answer), parse(final)
+    expected = 1.0 if gold and predicted and verify(gold, predicted) else 0.0
+    assert CHAIN.score(f"\\boxed{{{final}}}", answer) == expected
+    assert CHAIN.score(f"\\boxed{{{answer}}}", answer) == 1.0
+
+
+def test_digit_answers_skip_sympy(monkeypatch):
+    def refuse(*_):
+        raise AssertionError("math-verify parsed a digit string")
+
+    monkeypatch.setattr("math_verify.parse", refuse)
+    assert CHAIN.score("\\boxed{041}", "41") == 1.0
+    assert CHAIN.score("\\boxed{42}", "41") == 0.0
+
+
+def test_other_answers_go_to_math_verify():
+    assert CHAIN.score("\\boxed{41.0}", "41") == 1.0  # not a digit string: math-verify reads the number
+    assert CHAIN.score("\\boxed{4 1}", "41") == 0.0
 
 
 def test_lengths_are_long_tailed():

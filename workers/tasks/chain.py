@@ -113,10 +113,15 @@ class Chain(Task):
         return found[-1].strip() if found else ""
 
     def score(self, completion: str, answer: str) -> float:
+        """math-verify's verdict on the final answer. Two digit strings are compared as integers first, which is
+        that verdict (tests/unit/test_chain_task.py checks it) without sympy: parsing both took ~1-4 ms a call,
+        half of the reward worker's CPU on this task, whose references are all digit strings."""
         from math_verify import parse, verify
 
         final = self.final_answer(completion)
         if not final:
             return 0.0
+        if final.isascii() and final.isdigit() and answer.isascii() and answer.isdigit():
+            return 1.0 if int(final) == int(answer) else 0.0
         gold, predicted = parse(answer), parse(final)
         return 1.0 if gold and predicted and verify(gold, predicted) else 0.0
