@@ -45,9 +45,12 @@ def role_of(cmdline: str) -> str:
     return "broker" if "tansu" in cmdline else "other"
 
 
-def ticks_by_role(root: int, table: Table) -> dict[int, tuple[str, int]]:
+def ticks_by_role(root: int, table: Table, known: dict[int, str] | None = None) -> dict[int, tuple[str, int]]:
     """pid -> (role, ticks) for `root` (its own: the workers it reaps count as themselves) and every process
-    below it (with the children each has reaped)."""
+    below it (with the children each has reaped). A process that ended but is not reaped yet has an empty command
+    line and its ticks still: it keeps its role from `known` (pid -> role seen before), or a run's last sample
+    would count a worker's whole CPU time as "other"."""
+    known = known or {}
     children: dict[int, list[int]] = {}
     for pid, (ppid, *_) in table.items():
         children.setdefault(ppid, []).append(pid)
@@ -55,7 +58,7 @@ def ticks_by_role(root: int, table: Table) -> dict[int, tuple[str, int]]:
     while todo:
         pid, role = todo.pop()
         _, own, reaped, cmdline = table[pid]
-        role = role or role_of(cmdline)
+        role = role or (role_of(cmdline) if cmdline else known.get(pid, "other"))
         found[pid] = (role, own + reaped)
         todo += [(child, role) for child in children.get(pid, [])]
     return found
@@ -89,7 +92,7 @@ class CpuSampler:
             ]:
                 del self.last[pid]  # reaped by a live parent, whose count now holds it (the root's leaves it out)
             parents.update((pid, table[pid][0]) for pid in table)
-            self.last.update(ticks_by_role(self.root, table))
+            self.last.update(ticks_by_role(self.root, table, {pid: role for pid, (role, _) in self.last.items()}))
             totals: dict[str, float] = {}
             for role, ticks in self.last.values():
                 totals[role] = totals.get(role, 0.0) + ticks / TICKS_PER_S

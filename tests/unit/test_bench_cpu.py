@@ -25,6 +25,21 @@ def test_children_count_towards_their_role():
     assert ticks_by_role(10, table) == {10: ("monitor", 5), 11: ("reward", 7), 12: ("reward", 9), 13: ("broker", 2)}
 
 
+def test_an_ended_unreaped_process_keeps_its_role():
+    table = {10: (1, 5, 0, "python bench"), 11: (10, 7, 0, ""), 12: (10, 3, 0, "")}  # both ended, not reaped
+    assert ticks_by_role(10, table, known={11: "rollout"}) == {10: ("monitor", 5), 11: ("rollout", 7), 12: ("other", 3)}
+
+
+def test_a_worker_that_ended_still_counts_as_its_role():
+    """Its command line is empty between its end and its reaping, the window's last samples in a bench."""
+    spin = "import time\nend = time.time() + 1.0\nwhile time.time() < end: pass"
+    with CpuSampler(interval_s=0.2) as cpu:
+        child = subprocess.Popen([sys.executable, "-c", spin, "worker", "trainer"])
+        time.sleep(2.0)  # it ends after ~1 s and stays unreaped meanwhile
+        child.wait()
+    assert cpu.totals[-1]["trainer"] > 0.5 and cpu.totals[-1].get("other", 0.0) < 0.05
+
+
 def test_short_lived_children_are_counted_through_their_parent():
     """Processes that start and end between two samples (sandboxed executions) still count, and only once."""
     burst = "import subprocess, sys\nfor _ in range(40): subprocess.run([sys.executable, '-c', 'sum(range(300000))'])"
