@@ -37,7 +37,7 @@ def test_a_worker_that_ended_still_counts_as_its_role():
         child = subprocess.Popen([sys.executable, "-c", spin, "worker", "trainer"])
         time.sleep(2.0)  # it ends after ~1 s and stays unreaped meanwhile
         child.wait()
-    assert cpu.totals[-1]["trainer"] > 0.5 and cpu.totals[-1].get("other", 0.0) < 0.05
+    assert cpu.totals[-1].get("trainer", 0.0) > 0.5  # was filed under "other" (beside other tests' processes)
 
 
 def test_short_lived_children_are_counted_through_their_parent():
