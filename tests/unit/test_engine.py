@@ -123,6 +123,36 @@ def test_behaviour_logprobs_match_full_forward(model, forward, top_p, top_k):
         torch.testing.assert_close(torch.tensor(seq.logprobs), want, atol=1e-4, rtol=0)
 
 
+def test_decode_runs_cut_where_contexts_differ():
+    """Rows attend in runs up to each run's longest context: the cut reading the fewest cache columns, counting
+    `call_cost` columns per run."""
+    assert engine_module.decode_runs([]) == []
+    assert engine_module.decode_runs([9] * 8) == [(0, 8, 10)]  # one length: one run
+    # a long row among short ones: 4 x 301 + 4 x 21 + 2 x 256 = 1800 columns beat 8 x 301 + 256 = 2664
+    assert engine_module.decode_runs([300] + [20] * 7) == [(0, 4, 301), (4, 8, 21)]
+    assert engine_module.decode_runs([300] + [20] * 7, call_cost=2000) == [(0, 8, 301)]  # calls too dear to cut
+    assert engine_module.decode_runs([5, 3, 8], block=1, call_cost=0) == [(0, 1, 6), (1, 2, 4), (2, 3, 9)]
+    assert engine_module.decode_runs([200, 190, 180, 170, 10, 9], block=4, call_cost=0) == [(0, 4, 201), (4, 6, 11)]
+
+
+def test_decode_in_runs_changes_nothing(model, monkeypatch):
+    """Every decode row in a run of its own (up to its own context) gives the tokens and logprobs of one run
+    over the longest context."""
+    params, cut = SamplingParams(temperature=1.0, max_new_tokens=10), engine_module.decode_runs
+
+    def generate(runs_of) -> tuple[list, list[list[tuple[int, int, int]]]]:
+        runs = []
+        monkeypatch.setattr(engine_module, "decode_runs", lambda pos: runs.append(runs_of(pos)) or runs[-1])
+        return generate_all(Engine(model, seed=0, forward="direct"), PROMPTS, params), runs
+
+    one_run, _ = generate(lambda pos: [(0, len(pos), max(pos) + 1)] if pos else [])
+    own_runs, runs = generate(lambda pos: cut(pos, block=1, call_cost=0))
+    assert max(map(len, runs)) == len(PROMPTS)  # the runs were used: a row each
+    for a, b in zip(one_run, own_runs, strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("top_p", [1.0, 0.5])
 def test_top_k_one_is_greedy(model, top_p):
     greedy = generate_all(Engine(model), PROMPTS, GREEDY)
@@ -263,7 +293,7 @@ def test_re_prefill_is_chunked_by_length_and_changes_nothing(model, monkeypatch,
 
     chunked_widths, chunked = run(1.5)
     one_widths, one = run(float("inf"))
-    assert chunked_widths[:4] == [5, 13, 21, 41]  # 4 and 5 tokens together, the others alone; then decoding
+    assert chunked_widths[:4] == [41, 21, 13, 5]  # longest first; 5 and 4 tokens together, the others alone
     assert one_widths[0] == 41  # every context padded to the longest
     assert chunked == one
 
