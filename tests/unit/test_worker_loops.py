@@ -155,7 +155,8 @@ async def test_reward_loop_commits_nothing_past_an_unfinished_attempt(tmp_path, 
 
 
 class GatedEngine:
-    """The real engine, stopping before decode step `gate_at` until the test opens the gate."""
+    """The real engine, pausing at decode step `gate_at` (if not 0) until the test opens the gate: its steps
+    produce nothing meanwhile, and the worker's loop goes on around it."""
 
     def __init__(self, engine, gate_at: int):
         self.engine, self.gate_at, self.steps = engine, gate_at, 0
@@ -166,9 +167,9 @@ class GatedEngine:
 
     def step(self):
         self.steps += 1
-        if self.steps == self.gate_at:
+        if self.gate_at and self.steps >= self.gate_at and not self.gate.is_set():
             self.reached.set()
-            self.gate.wait(10)
+            return []
         return self.engine.step()
 
 
@@ -227,7 +228,7 @@ async def test_rollout_loop_a_new_version_interrupts_and_the_group_commits_when_
     for sample in ("e0-r1/0", "e0-r1/1"):
         parts = [s for s in segments() if s.trajectory_id == sample]
         assert parts[0].finish_reason == "interrupted" and len(parts) == 2
-        assert [s.version for s in parts] == [0, 1] and len(parts[0].token_ids) == 4  # step 4 was under way at v0
+        assert [s.version for s in parts] == [0, 1] and len(parts[0].token_ids) == 3  # paused after 3 steps at v0
         assert parts[0].group == group and parts[1].group is None and parts[1].segment_index == 1
     assert gated[0].engine.version == 1
     assert transport.broker.committed[("rollout", prompts)] == {0: 1}  # all trajectories out: committed

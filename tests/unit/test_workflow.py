@@ -82,8 +82,9 @@ class Doubler(Workflow):
 
 
 class ScriptedEngine:
-    """Writes `script[turn]` for each sequence's turn, a token per step, and can hold at one step (a weight
-    update lands there). Stands in for the engine so that turns and versions are known exactly."""
+    """Writes `script[turn]` for each sequence's turn, a token per step, and can hold at one step until the gate
+    opens, writing nothing meanwhile (a weight update lands there). Stands in for the engine so that turns and
+    versions are known exactly."""
 
     def __init__(self, script: list[list[int]], vocab: int, hold_at: int):
         self.script, self.vocab, self.version, self.hold_at, self.steps = script, vocab, 0, hold_at, 0
@@ -100,9 +101,9 @@ class ScriptedEngine:
 
     def step(self) -> list[Sequence]:
         self.steps += 1
-        if self.steps == self.hold_at:
+        if self.steps >= self.hold_at and not self.gate.is_set():
             self.reached.set()
-            self.gate.wait(10)
+            return []
         for seq in self.sequences:
             script = self.script[self.turns.get(seq.key, 0)]
             seq.token_ids.append(script[len(seq.token_ids)])
@@ -158,7 +159,7 @@ async def test_rollout_loop_answers_calls_masks_replies_and_a_turn_crossing_an_u
         try:
             await wait_for(engine.reached.is_set)
             await outbox.send_now("weights", announce(config, 1, seed=1))
-            await asyncio.sleep(0.3)  # the update waits for the held step, then interrupts
+            await asyncio.sleep(0.3)  # the update lands while the engine holds
             engine.gate.set()
             await wait_for(lambda: sum(s.finish_reason == "stop" for s in segments()) == 2)
         finally:
@@ -169,8 +170,8 @@ async def test_rollout_loop_answers_calls_masks_replies_and_a_turn_crossing_an_u
         parts = [s for s in segments() if s.trajectory_id == sample]
         assert [s.finish_reason for s in parts] == ["interrupted", "tool", "stop"]
         assert [s.version for s in parts] == [0, 1, 1]  # the first turn crossed the update: v0 then v1
-        assert [s.token_ids for s in parts] == [script[0][:2], script[0][2:] + reply, script[1]]
+        assert [s.token_ids for s in parts] == [script[0][:1], script[0][1:] + reply, script[1]]
         assert parts[0].loss_mask == [] and parts[2].loss_mask == []  # model tokens only
-        assert parts[1].loss_mask == [1] * 3 + [0] * len(reply)  # the reply is not trained on
-        assert parts[1].logprobs == [-0.5] * 3 + [0.0] * len(reply)
+        assert parts[1].loss_mask == [1] * 4 + [0] * len(reply)  # the reply is not trained on
+        assert parts[1].logprobs == [-0.5] * 4 + [0.0] * len(reply)
     assert engine.prompts[-1] == group.prompt_tokens + script[0] + reply  # the next turn sees the reply

@@ -238,10 +238,17 @@ class Rollout:
 
     async def step(self) -> list[InFlight]:
         """Go on with answered calls, then one decode step; returns groups whose trajectories are now all
-        emitted. A turn ending with a call is answered in a thread (`answer`) while the engine goes on."""
+        emitted. A turn ending with a call is answered in a thread (`answer`) while the engine goes on.
+
+        The step runs on the loop's own thread, and the loop serves Kafka between steps: handing each step
+        (~7 ms on a CPU) to a thread and back cost 11 % of a two-worker chain run's steps per second where
+        processes share cores (two thread wake-ups per step, each waiting for a core).
+        """
         ended = [await self.next_turn(key, conversation) for key, conversation in self.answered]
         self.answered = []
-        for seq in await asyncio.to_thread(self.engine.step) if not self.engine.idle() else []:
+        finished = self.engine.step() if not self.engine.idle() else []
+        await asyncio.sleep(0)  # the consumer's heartbeats and the producer's sends run between steps
+        for seq in finished:
             conversation = self.groups[prompt_id_of(seq.key)].conversations[seq.key]
             if is_call(seq, self.call_token) and conversation.calls < self.workflow.max_calls:
                 task = asyncio.create_task(self.answer(seq, conversation))
