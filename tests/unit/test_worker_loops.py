@@ -155,8 +155,8 @@ async def test_reward_loop_commits_nothing_past_an_unfinished_attempt(tmp_path, 
 
 
 class GatedEngine:
-    """The real engine, pausing at decode step `gate_at` (if not 0) until the test opens the gate: its steps
-    produce nothing meanwhile, and the worker's loop goes on around it."""
+    """The real engine, pausing at decode step `gate_at` (if not 0) until the test opens the gate: meanwhile it
+    says it is idle, and the worker's loop goes on around it without stepping."""
 
     def __init__(self, engine, gate_at: int):
         self.engine, self.gate_at, self.steps = engine, gate_at, 0
@@ -165,20 +165,27 @@ class GatedEngine:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
+    def paused(self) -> bool:
+        return bool(self.gate_at) and self.steps >= self.gate_at and not self.gate.is_set()
+
+    def idle(self) -> bool:
+        return self.paused() or self.engine.idle()
+
     def step(self):
         self.steps += 1
-        if self.gate_at and self.steps >= self.gate_at and not self.gate.is_set():
+        if self.paused():
             self.reached.set()
             return []
         return self.engine.step()
 
 
-def rollout_setup(tmp_path, model_dir, monkeypatch, gate_at: int):
+def rollout_setup(tmp_path, model_dir, monkeypatch, gate_at: int, wrap=lambda engine: engine):
+    """A rollout config, and the worker's engine (once made) as a GatedEngine around `wrap(the real engine)`."""
     config = config_for(tmp_path, model_dir, "data.n_samples=2", "rollout.max_new_tokens=100", "rollout.top_k=3")
     gated: list[GatedEngine] = []
 
     def make_gated_engine(cfg):
-        gated.append(GatedEngine(real_make_engine(cfg), gate_at))
+        gated.append(GatedEngine(wrap(real_make_engine(cfg)), gate_at))
         return gated[0]
 
     real_make_engine = rollout_worker.make_engine
@@ -232,6 +239,46 @@ async def test_rollout_loop_a_new_version_interrupts_and_the_group_commits_when_
         assert parts[0].group == group and parts[1].group is None and parts[1].segment_index == 1
     assert gated[0].engine.version == 1
     assert transport.broker.committed[("rollout", prompts)] == {0: 1}  # all trajectories out: committed
+
+
+class ThreadRecorder:
+    """The real engine, noting for each step whether it prefilled and whether it ran on the loop's thread."""
+
+    def __init__(self, engine):
+        self.engine, self.loop_thread, self.steps = engine, threading.main_thread().ident, []  # the loop runs there
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def step(self):
+        prefills = self.engine.decoding < len(self.engine.slots) or bool(self.engine.waiting)
+        self.steps.append((prefills, threading.get_ident() == self.loop_thread))
+        return self.engine.step()
+
+
+async def test_rollout_loop_decodes_on_its_own_thread_and_prefills_in_another(tmp_path, model_dir, monkeypatch):
+    """Decode steps run on the loop's thread (no hand-over per step); steps that prefill (the admitted group,
+    every running sequence after a weight load) run in a thread, so that the loop never stops for long."""
+    config, gated = rollout_setup(tmp_path, model_dir, monkeypatch, gate_at=4, wrap=ThreadRecorder)
+    transport, stop = MemoryTransport(TopicLayout()), asyncio.Event()
+    group = msgspec.structs.replace(
+        GROUP, released_at_version=0, prompt_tokens=build_tokenizer(model_dir)("47+8=")["input_ids"]
+    )
+    async with transport.outbox() as outbox:
+        await outbox.send_now("prompts", group, key=group.prompt_id)
+        task = asyncio.create_task(rollout_worker.main(config, stop, transport))
+        try:
+            await wait_for(lambda: bool(gated) and gated[0].reached.is_set())
+            await outbox.send_now("weights", announce(config, 1, seed=1))
+            await wait_for(lambda: gated[0].engine.version == 1)
+            gated[0].gate.set()
+            await wait_for(lambda: len(gated[0].engine.steps) >= 5)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 10)
+    steps = gated[0].engine.steps
+    assert [prefills for prefills, _ in steps[:5]] == [True, False, False, True, False]  # admission; re-prefill
+    assert all(on_loop != prefills for prefills, on_loop in steps)
 
 
 async def test_rollout_loop_refuses_a_corrupted_weight_file_and_keeps_its_weights(tmp_path, model_dir, monkeypatch):

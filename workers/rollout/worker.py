@@ -110,6 +110,7 @@ class Rollout:
         self.load_seconds = 0.0  # spent verifying and loading weight versions, and how many loaded
         self.loads = 0
         self.refused_version = -1  # the newest announced version whose file failed verification
+        self.reloaded = False  # weights loaded since the last step: the next one re-prefills
         self.answering: set[asyncio.Task] = set()  # calls being answered, out of the engine meanwhile
         self.answered: list[tuple[str, Conversation]] = []  # their next turns, submitted by the next `step`
 
@@ -217,6 +218,7 @@ class Rollout:
                     await self.emit(seq, "interrupted")
                     self.interrupted += 1
             await asyncio.to_thread(self.engine.update_weights, weights)
+            self.reloaded = True
         except (WeightsError, OSError, ValueError, RuntimeError, SafetensorError) as error:  # unloadable
             self.refused_version = announced.version
             self.ctx.log.warning(
@@ -240,14 +242,22 @@ class Rollout:
         """Go on with answered calls, then one decode step; returns groups whose trajectories are now all
         emitted. A turn ending with a call is answered in a thread (`answer`) while the engine goes on.
 
-        The step runs on the loop's own thread, and the loop serves Kafka between steps: handing each step
-        (~7 ms on a CPU) to a thread and back cost 11 % of a two-worker chain run's steps per second where
-        processes share cores (two thread wake-ups per step, each waiting for a core).
+        A decode step (~7 ms on a CPU) runs on the loop's own thread, and the loop serves Kafka between steps:
+        handing each one to a thread and back cost 11 % of a two-worker chain run's steps per second where
+        processes share cores (two thread wake-ups per step, each waiting for a core). A step that prefills
+        (admitted requests, or every running one after a weight load) can take seconds: it runs in a thread,
+        so that the loop never stops for that long (heartbeats, `topics/clients.py`).
         """
         ended = [await self.next_turn(key, conversation) for key, conversation in self.answered]
         self.answered = []
-        finished = self.engine.step() if not self.engine.idle() else []
-        await asyncio.sleep(0)  # the consumer's heartbeats and the producer's sends run between steps
+        if self.engine.idle():
+            finished = []
+        elif self.prefills_next():
+            finished = await asyncio.to_thread(self.engine.step)
+        else:
+            finished = self.engine.step()
+            await asyncio.sleep(0)  # the consumer's heartbeats and the producer's sends run between steps
+        self.reloaded = False
         for seq in finished:
             conversation = self.groups[prompt_id_of(seq.key)].conversations[seq.key]
             if is_call(seq, self.call_token) and conversation.calls < self.workflow.max_calls:
@@ -262,6 +272,12 @@ class Rollout:
             if flight.unfinished == 0:
                 done.append(self.groups.pop(flight.group.prompt_id))
         return done
+
+    def prefills_next(self) -> bool:
+        """Whether the engine's next step prefills: every running sequence after a weight load, or waiting
+        requests it has room to admit."""
+        stats = self.engine.stats()
+        return self.reloaded or (stats.queued > 0 and stats.running - stats.queued < stats.capacity)
 
     async def answer(self, seq: Sequence, conversation: Conversation) -> None:
         """Append the workflow's reply to the call ending `seq` to its conversation; `step` sends both as a
