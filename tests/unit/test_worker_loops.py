@@ -8,6 +8,7 @@ to set up exactly the situation under test.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import threading
@@ -209,12 +210,11 @@ def announce(config: RunConfig, version: int, seed: int, corrupt: bool = False) 
     )
 
 
-async def test_rollout_loop_a_new_version_interrupts_and_the_group_commits_when_all_are_out(
-    tmp_path, model_dir, monkeypatch
-):
-    config, gated = rollout_setup(tmp_path, model_dir, monkeypatch, gate_at=4)
-    transport, stop = MemoryTransport(TopicLayout()), asyncio.Event()
-    prompts = transport.layout.name("prompts")
+@contextlib.asynccontextmanager
+async def rollout_running(config: RunConfig, transport: MemoryTransport, model_dir: Path):
+    """The rollout worker's loop running, with one group (prompt `47+8=`, released at version 0) on `prompts`;
+    yields an outbox and the group, stops the loop on leaving."""
+    stop = asyncio.Event()
     group = msgspec.structs.replace(
         GROUP, released_at_version=0, prompt_tokens=build_tokenizer(model_dir)("47+8=")["input_ids"]
     )
@@ -222,16 +222,26 @@ async def test_rollout_loop_a_new_version_interrupts_and_the_group_commits_when_
         await outbox.send_now("prompts", group, key=group.prompt_id)
         task = asyncio.create_task(rollout_worker.main(config, stop, transport))
         try:
-            await wait_for(lambda: bool(gated) and gated[0].reached.is_set())
-            await outbox.send_now("weights", announce(config, 1, seed=1))
-            await asyncio.sleep(0.6)  # past a commit period while the group is in flight
-            assert transport.broker.committed.get(("rollout", prompts), {}).get(0, 0) == 0
-            gated[0].gate.set()
-            segments = lambda: transport.broker.messages("segments", Segment)  # noqa: E731
-            await wait_for(lambda: sum(s.finish_reason != "interrupted" for s in segments()) == 2)
+            yield outbox, group
         finally:
             stop.set()
             await asyncio.wait_for(task, 10)
+
+
+async def test_rollout_loop_a_new_version_interrupts_and_the_group_commits_when_all_are_out(
+    tmp_path, model_dir, monkeypatch
+):
+    config, gated = rollout_setup(tmp_path, model_dir, monkeypatch, gate_at=4)
+    transport = MemoryTransport(TopicLayout())
+    prompts = transport.layout.name("prompts")
+    segments = lambda: transport.broker.messages("segments", Segment)  # noqa: E731
+    async with rollout_running(config, transport, model_dir) as (outbox, group):
+        await wait_for(lambda: bool(gated) and gated[0].reached.is_set())
+        await outbox.send_now("weights", announce(config, 1, seed=1))
+        await asyncio.sleep(0.6)  # past a commit period while the group is in flight
+        assert transport.broker.committed.get(("rollout", prompts), {}).get(0, 0) == 0
+        gated[0].gate.set()
+        await wait_for(lambda: sum(s.finish_reason != "interrupted" for s in segments()) == 2)
     for sample in ("e0-r1/0", "e0-r1/1"):
         parts = [s for s in segments() if s.trajectory_id == sample]
         assert parts[0].finish_reason == "interrupted" and len(parts) == 2
@@ -260,22 +270,12 @@ async def test_rollout_loop_decodes_on_its_own_thread_and_prefills_in_another(tm
     """Decode steps run on the loop's thread (no hand-over per step); steps that prefill (the admitted group,
     every running sequence after a weight load) run in a thread, so that the loop never stops for long."""
     config, gated = rollout_setup(tmp_path, model_dir, monkeypatch, gate_at=4, wrap=ThreadRecorder)
-    transport, stop = MemoryTransport(TopicLayout()), asyncio.Event()
-    group = msgspec.structs.replace(
-        GROUP, released_at_version=0, prompt_tokens=build_tokenizer(model_dir)("47+8=")["input_ids"]
-    )
-    async with transport.outbox() as outbox:
-        await outbox.send_now("prompts", group, key=group.prompt_id)
-        task = asyncio.create_task(rollout_worker.main(config, stop, transport))
-        try:
-            await wait_for(lambda: bool(gated) and gated[0].reached.is_set())
-            await outbox.send_now("weights", announce(config, 1, seed=1))
-            await wait_for(lambda: gated[0].engine.version == 1)
-            gated[0].gate.set()
-            await wait_for(lambda: len(gated[0].engine.steps) >= 5)
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 10)
+    async with rollout_running(config, MemoryTransport(TopicLayout()), model_dir) as (outbox, _):
+        await wait_for(lambda: bool(gated) and gated[0].reached.is_set())
+        await outbox.send_now("weights", announce(config, 1, seed=1))
+        await wait_for(lambda: gated[0].engine.version == 1)
+        gated[0].gate.set()
+        await wait_for(lambda: len(gated[0].engine.steps) >= 5)
     steps = gated[0].engine.steps
     assert [prefills for prefills, _ in steps[:5]] == [True, False, False, True, False]  # admission; re-prefill
     assert all(on_loop != prefills for prefills, on_loop in steps)
