@@ -126,6 +126,21 @@ def cpu_bound(runs: dict[str, dict], usable_cores: int) -> dict:
     }
 
 
+def rollout_bound(run: dict, cores: dict) -> str | None:
+    """In words, when a run's rollout workers kept the cores they were given busy while others stood idle:
+    generation is the bottleneck, and more workers would use the idle cores. None otherwise."""
+    given = cores["rollout"]["processes"] * cores["rollout"]["threads"]
+    used, idle = run["cpu_cores"].get("rollout", 0.0), cores["usable_cores"] - sum(run["cpu_cores"].values())
+    if used < 0.9 * given or idle < 0.4:
+        return None
+    workers = cores["rollout"]["processes"] + 1
+    return (
+        f"the rollout worker(s) used {used:.2f} of the {given} core(s) given them while {idle:.2f} stood idle: "
+        f"generation bounds this run; more workers can use the idle cores "
+        f"(rollout.workers={workers} broker.partitions={workers})"
+    )
+
+
 def out_path(args: argparse.Namespace) -> Path:
     return Path(args.out or f"runs/bench/pipeline-{task_label(args.task)}.json")
 
@@ -253,6 +268,8 @@ def table(report: dict) -> str:
         f"{bound['async_ceiling_steps_per_s']:.3f} steps/s, {bound['async_ceiling_over_sync']:.2f}x sync "
         "(this machine's ceiling)"
     )
+    if hint := rollout_bound(report["runs"]["async"], report["cores_given"]):
+        lines.append(f"async: {hint}")
     lines.append("trainer step breakdown, mean seconds per step:")
     for name, r in report["runs"].items():
         lines.append(f"  {name}: " + ", ".join(f"{phase} {s:.3f}" for phase, s in r["step_breakdown"].items()))

@@ -7,7 +7,15 @@ import argparse
 from pathlib import Path
 
 from pipeline.bench import cores_given, cores_line, task_config
-from pipeline.bench.pipeline import cpu_bound, out_path, shared_model, table, variant_configs, window_rates
+from pipeline.bench.pipeline import (
+    cpu_bound,
+    out_path,
+    rollout_bound,
+    shared_model,
+    table,
+    variant_configs,
+    window_rates,
+)
 from pipeline.cli import build_parser
 from pipeline.config import resolve
 
@@ -151,6 +159,21 @@ def test_cpu_bound_is_work_per_step_against_the_cores():
     assert cpu_bound(runs, usable_cores=4)["async_ceiling_over_sync"] == 4.0
 
 
+def test_a_busy_rollout_beside_idle_cores_is_named_with_the_fix():
+    one_worker = cores_given(task_config("chain", []), cpu_count=2, usable_cores=2)
+    busy = {"cpu_cores": {"rollout": 0.96, "trainer": 0.28, "broker": 0.05}}  # 0.71 of 2 cores idle
+    assert rollout_bound(busy, one_worker) == (
+        "the rollout worker(s) used 0.96 of the 1 core(s) given them while 0.71 stood idle: generation bounds this "
+        "run; more workers can use the idle cores (rollout.workers=2 broker.partitions=2)"
+    )
+    assert rollout_bound({"cpu_cores": {"rollout": 0.8, "trainer": 0.3}}, one_worker) is None  # room in its core
+    assert rollout_bound({"cpu_cores": {"rollout": 0.96, "trainer": 0.7}}, one_worker) is None  # no core idle
+    two_workers = cores_given(
+        task_config("chain", ["rollout.workers=2", "broker.partitions=2"]), cpu_count=2, usable_cores=2
+    )
+    assert rollout_bound({"cpu_cores": {"rollout": 1.33, "trainer": 0.37}}, two_workers) is None
+
+
 def test_cores_given_per_role_against_the_machine():
     given = ["rollout.workers=2", "broker.partitions=2", "rollout.threads=3", "trainer.ranks=2", "reward.processes=4"]
     config = task_config("arith", given)
@@ -218,3 +241,5 @@ def test_the_table_names_the_task_and_the_cores_given_and_used():
         "async/sync effective training throughput: 2.28x",
         "interruption on/off generation throughput: 0.98x (training throughput 0.98x)",
     ]
+    busy = {**report, "runs": {"async": {**run, "cpu_cores": {"rollout": 0.96, "trainer": 0.28}}}}
+    assert table(busy).splitlines()[6] == f"async: {rollout_bound(busy['runs']['async'], report['cores_given'])}"
