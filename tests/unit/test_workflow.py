@@ -83,7 +83,7 @@ class Doubler(Workflow):
 
 class ScriptedEngine:
     """Writes `script[turn]` for each sequence's turn, a token per step, and can hold at one step until the gate
-    opens, writing nothing meanwhile (a weight update lands there). Stands in for the engine so that turns and
+    opens, saying it is idle meanwhile (a weight update lands there). Stands in for the engine so that turns and
     versions are known exactly."""
 
     def __init__(self, script: list[list[int]], vocab: int, hold_at: int):
@@ -99,9 +99,12 @@ class ScriptedEngine:
         self.prompts.append(list(prompt_ids))
         return seq
 
+    def held(self) -> bool:
+        return self.steps >= self.hold_at and not self.gate.is_set()
+
     def step(self) -> list[Sequence]:
         self.steps += 1
-        if self.steps >= self.hold_at and not self.gate.is_set():
+        if self.held():
             self.reached.set()
             return []
         for seq in self.sequences:
@@ -120,7 +123,7 @@ class ScriptedEngine:
         return list(self.sequences)
 
     def idle(self) -> bool:
-        return not self.sequences
+        return self.held() or not self.sequences
 
     def interrupt(self) -> list[Sequence]:
         return list(self.sequences)
