@@ -135,6 +135,43 @@ def test_decode_runs_cut_where_contexts_differ():
     assert engine_module.decode_runs([200, 190, 180, 170, 10, 9], block=4, call_cost=0) == [(0, 4, 201), (4, 6, 11)]
 
 
+def test_block_columns_measure_how_far_slots_are_from_longest_first():
+    assert engine_module.block_columns([]) == 0
+    assert engine_module.block_columns([9, 9, 9, 9, 9]) == 50  # one length: their own columns
+    assert engine_module.block_columns([300, 5, 5, 5, 300, 5, 5, 5]) == 8 * 301  # a long row in every block
+    assert engine_module.block_columns([300, 300, 5, 5, 5, 5, 5]) == 4 * 301 + 3 * 6  # sorted: 2 x 295 wasted
+    assert engine_module.block_columns([3, 1, 2], block=1) == 4 + 2 + 3
+
+
+def test_mixed_up_slots_are_sorted_again_with_their_caches(model, forward, monkeypatch):
+    """Retirements move the last slot into holes and mix the order up; the decoding slots are then sorted longest
+    first again, each keeping its own cache: every behaviour logprob still equals a full forward's."""
+    monkeypatch.setattr(engine_module, "SORT_WASTE", 1.0)  # sort at any disorder
+    orders, sort = [], Engine._sort_decoding
+
+    def recording(self):
+        before = [len(s) for s in self.slots[: self.decoding]]
+        sort(self)
+        orders.append((before, [len(s) for s in self.slots[: self.decoding]]))
+
+    monkeypatch.setattr(Engine, "_sort_decoding", recording)
+    engine = Engine(model, max_batch=6, seed=0, forward=forward)
+    lengths = [30, 2, 25, 3, 20, 1, 28, 4, 15, 2, 22, 6]  # short ones retire among long ones, refilled from the queue
+    seqs = [
+        engine.submit(f"s{i}", PROMPTS[i % 4], SamplingParams(temperature=1.0, max_new_tokens=n))
+        for i, n in enumerate(lengths)
+    ]
+    while not engine.idle():
+        engine.step()
+    assert any(before != sorted(before, reverse=True) for before, _ in orders)  # the order was mixed up...
+    assert all(after == sorted(after, reverse=True) for _, after in orders)  # ...and every forward saw it sorted
+    for seq, n in zip(seqs, lengths, strict=True):
+        assert len(seq.token_ids) == n
+        logp = torch.log_softmax(full_forward_logits(model, seq), -1)  # [new, V]
+        want = logp.gather(-1, torch.tensor(seq.token_ids)[:, None]).squeeze(-1)  # [new]
+        torch.testing.assert_close(torch.tensor(seq.logprobs), want, atol=1e-4, rtol=0)
+
+
 def test_decode_in_runs_changes_nothing(model, monkeypatch):
     """Every decode row in a run of its own (up to its own context) gives the tokens and logprobs of one run
     over the longest context."""

@@ -72,6 +72,8 @@ STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # frequencies independent
 CAPACITY_STEP = 64  # slot capacity grows in multiples of this
 PREFILL_SPREAD = 1.5  # a prefill chunk's longest row is at most this times its first: padding stays bounded
 COPY_BYTES = 64 << 20  # DirectForward lays out its own copy of decoder weights up to this size (see there)
+RUN_BLOCK = 4  # decode rows are cut into attention runs at multiples of this many slots (`decode_runs`)
+SORT_WASTE = 1.6  # decoding slots are sorted again once blocks of them would attend this times their own columns
 
 
 @dataclass
@@ -247,7 +249,7 @@ class DirectForward:
         return parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, Hq*D]
 
 
-def decode_runs(positions: list[int], block: int = 4, call_cost: int = 256) -> list[tuple[int, int, int]]:
+def decode_runs(positions: list[int], block: int = RUN_BLOCK, call_cost: int = 256) -> list[tuple[int, int, int]]:
     """Decode rows (their positions, in slot order) cut into runs of neighbouring rows, each attending up to its
     own longest context: [(first, end, span)], the cut with the fewest cache columns read (rows x span, summed)
     plus `call_cost` columns per run (an attention call's own cost). Runs start at multiples of `block` rows."""
@@ -266,6 +268,14 @@ def decode_runs(positions: list[int], block: int = 4, call_cost: int = 256) -> l
         runs.append((cut[j] * block, min(j * block, n), max(spans[cut[j] : j])))
         j = cut[j]
     return runs[::-1]
+
+
+def block_columns(positions: list[int], block: int = RUN_BLOCK) -> int:
+    """Cache columns decode rows (their positions, in slot order) read in one run per `block` slots: how far the
+    slot order is from longest first (sorted, it is about their own columns, sum(positions) + len(positions))."""
+    return sum(
+        len(rows) * (max(rows) + 1) for rows in (positions[b : b + block] for b in range(0, len(positions), block))
+    )
 
 
 def copied_parameters(layer, copy: bool) -> list[torch.Tensor]:
@@ -607,6 +617,7 @@ class Engine:
         that another slot prefills too (a group's samples of one prompt, or the same answer
         so far) is not computed again: its slot gets that slot's cache and logits.
         """
+        self._sort_decoding()
         copies = self._same_contexts()  # slot -> the slot computing its context, for the slots at the end
         computed = len(self.slots) - len(copies)
         logits, start = [], self.decoding
@@ -627,6 +638,27 @@ class Engine:
         for slot, source in copies.items():
             self.kv[:, :, slot, :, : len(self.slots[slot])] = self.kv[:, :, source, :, : len(self.slots[slot])]
         return torch.cat([logits, logits[list(copies.values())]]) if copies else logits  # [B, V]
+
+    def _sort_decoding(self) -> None:
+        """Sort the decoding slots longest first again once retirements have mixed them up so far that blocks of
+        them would attend SORT_WASTE times their own cache columns; the moved slots' caches move with them.
+
+        Measured on chain's long tail at 64 rows without weight updates (2 CPU cores): without it the decode cut
+        read 2.3x the rows' own columns and attention took a third of a step; re-sorting (~3 ms, every ~8 steps)
+        cut that to ~1.4x and made decoding 11-20 % faster.
+        """
+        cached = [len(seq) - 1 for seq in self.slots[: self.decoding]]  # positions 0..len-2 of each are cached
+        if block_columns(cached) <= SORT_WASTE * (sum(cached) + len(cached)):
+            return
+        order = sorted(range(len(cached)), key=lambda j: -cached[j])  # stable: equal lengths stay put
+        moved = [(slot, source) for slot, source in enumerate(order) if slot != source]
+        if not moved:
+            return
+        caches = [self.kv[:, :, source, :, : cached[source]].clone() for _, source in moved]  # [2, L, Hkv, n, D]
+        for (slot, _), cache in zip(moved, caches, strict=True):
+            self.kv[:, :, slot, :, : cache.shape[-2]] = cache
+        self.slots[: len(order)] = [self.slots[source] for source in order]
+        self.slots_changed = True
 
     def _same_contexts(self) -> dict[int, int]:
         """Move every slot to prefill whose context another one to prefill has too after those (the rest keep their
