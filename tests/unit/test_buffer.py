@@ -110,6 +110,18 @@ def test_the_trainer_waits_for_a_group_at_its_deadline_instead_of_stepping_past_
     assert [g.prompt_id for g in buffer.take(1, trainer_version=4, max_staleness=4)[0]] == ["straggler"]
 
 
+def test_a_ready_batch_held_back_by_a_due_straggler_is_told_from_waiting_for_generation():
+    buffer = GroupBuffer()
+    buffer.note_release(release("straggler", 0))
+    buffer.add(scored("straggler", 0, release_index=0, version=0), (0, 0))  # one of its two samples
+    fill(buffer, "quick", 1, version=1)
+    assert not buffer.held_by_straggler(2, trainer_version=4, max_staleness=4)  # one ready group: generation
+    assert not buffer.held_by_straggler(1, trainer_version=3, max_staleness=4)  # not due: "quick" trains
+    assert buffer.held_by_straggler(1, trainer_version=4, max_staleness=4)  # due, with a batch ready behind it
+    buffer.add(scored("straggler", 1, release_index=0, version=0), (0, 1))
+    assert not buffer.held_by_straggler(1, trainer_version=4, max_staleness=4)
+
+
 def test_a_release_seen_too_late_is_dropped_not_waited_for():
     buffer = GroupBuffer()
     buffer.note_release(release("never-complete", 0))

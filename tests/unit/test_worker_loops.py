@@ -357,6 +357,10 @@ async def test_trainer_loop_waits_for_a_straggler_at_its_staleness_deadline(tmp_
     assert [m.trajectory_ids for m in manifests()] == [["p1/0", "p1/1"], ["p0/0", "p0/1"], ["p2/0", "p2/1"]]
     assert all(not m.dropped for m in manifests())
     assert transport.broker.messages("weights", WeightVersion)[-1].final
+    lines = [json.loads(line) for line in (runtime.run_dir(config) / "metrics.jsonl").read_text().splitlines()]
+    waits = [(line["time_wait"], line["time_wait_due"]) for line in lines if "time_wait_due" in line]
+    assert len(waits) == 3 and waits[0][1] == waits[2][1] == 0.0  # nothing due was missing before a and c
+    assert 0.2 < waits[1][1] <= waits[1][0] < 2 * waits[1][1], waits  # a held the ready c back: most of the wait
 
 
 async def test_trainer_loop_steps_on_without_waiting_for_records_while_a_batch_is_ready(

@@ -127,11 +127,7 @@ class GroupBuffer:
             uniform = sorted(uniform, key=lambda g: g.release_index)[: skip_uniform - so_far]
             self.uniform_dropped = (trainer_version, so_far + len(uniform))
             dropped += [self._drop_uniform(g) for g in uniform]
-        due = [
-            pid for pid, release in self.outstanding.items()
-            if staleness(trainer_version, release.released_at_version) == max_staleness
-        ]  # fmt: skip
-        if any(pid not in self.groups or not self.groups[pid].complete for pid in due):
+        if self.due_incomplete(trainer_version, max_staleness):
             return [], dropped
         ready = sorted((g for g in self.groups.values() if g.complete), key=lambda g: g.release_index)
         batch = ready[:batch_groups]
@@ -140,6 +136,20 @@ class GroupBuffer:
         for group in batch:
             self.finish(group.prompt_id)
         return batch, dropped
+
+    def due_incomplete(self, trainer_version: int, max_staleness: int) -> bool:
+        """A released group whose last admissible version is this one is not complete yet: no batch until it is."""
+        return any(
+            staleness(trainer_version, release.released_at_version) == max_staleness
+            and (pid not in self.groups or not self.groups[pid].complete)
+            for pid, release in self.outstanding.items()
+        )
+
+    def held_by_straggler(self, batch_groups: int, trainer_version: int, max_staleness: int) -> bool:
+        """A batch of complete groups is ready, but a group due now is not complete: the trainer waits for that
+        group's straggler (its longest answer), not for generation as a whole."""
+        ready = sum(group.complete for group in self.groups.values())
+        return ready >= batch_groups and self.due_incomplete(trainer_version, max_staleness)
 
     def take_exact(self, trajectory_ids: list[str]) -> list[Group] | None:
         """The groups holding exactly these trajectories (a recorded manifest), in the manifest's

@@ -137,6 +137,8 @@ class Lead:
         self.pending_drops = pending_drops  # dropped since the last manifest; the next records and counts them
         self.metrics, self.started = ctx.metrics(), time.monotonic()
         self.step_ended = time.perf_counter()  # the wait for the next batch starts here
+        self.held_since: float | None = None  # since when a due group's straggler holds a ready batch back
+        self.held_seconds = 0.0  # of the wait for the next batch, how long such a straggler held it back
         self.publishing: asyncio.Task | None = None  # the newest version's write and announcement, off the step's path
         self.publish_lag = 0.0  # seconds from a version's snapshot to its announcement, the last one delivered
         self.write_seconds = 0.0  # seconds the last version's file took to write and hash (off the step's path)
@@ -156,6 +158,9 @@ class Lead:
         groups, dropped = buffer.take(
             self.cfg.batch_groups, self.state.step, self.cfg.max_staleness, self.cfg.skip_uniform_groups
         )
+        self.note_straggler(
+            not groups and buffer.held_by_straggler(self.cfg.batch_groups, self.state.step, self.cfg.max_staleness)
+        )
         if dropped:
             for group in dropped:
                 self.feed.traces.pop(group.prompt_id, None)
@@ -165,11 +170,19 @@ class Lead:
             await self.announce()  # the prompt source may release in their place
         return groups, None
 
+    def note_straggler(self, held: bool) -> None:
+        """Count the time a due group's straggler holds a ready batch back (`time_wait_due`, part of `time_wait`)."""
+        now = time.perf_counter()
+        if self.held_since is not None:
+            self.held_seconds += now - self.held_since
+        self.held_since = now if held else None
+
     async def step(self, groups: list[Group], manifest: BatchManifest | None) -> None:
         """Write the manifest (a new batch's) before the step, train, announce the new version. Each phase's
         seconds go to the step's metrics (`time_*`), with the wait for the batch before it."""
         clock = PhaseClock()
         clock.seconds["time_wait"] = clock.last - self.step_ended
+        clock.seconds["time_wait_due"], self.held_seconds = self.held_seconds, 0.0
         recorded = None  # a new batch's manifest is delivered while the step trains, and before its version is out
         if manifest is None:
             manifest = new_manifest(groups, self.state.step, self.feed.resume_offsets(), self.pending_drops)
