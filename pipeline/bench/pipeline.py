@@ -107,7 +107,8 @@ def weights_costs(steps: list[dict], rollout: list[dict]) -> dict[str, float | N
 
 def step_breakdown(steps: list[dict]) -> dict[str, float]:
     """Mean seconds per trainer step in each phase it times (`time_*`: the wait for a batch, manifest, collate,
-    pi_prox, forward/backward, optimizer, publish, announce, checkpoint); 'train' holds the four between."""
+    pi_prox, forward/backward, optimizer, publish, announce, checkpoint); 'train' holds the four between, and
+    'wait_due' is the part of 'wait' in which a due group's straggler held a ready batch back."""
     phases = sorted({key for line in steps for key in line if key.startswith("time_")})
     return {
         phase.removeprefix("time_"): round(sum(l.get(phase, 0.0) for l in steps) / len(steps), 4) for phase in phases
