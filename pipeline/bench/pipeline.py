@@ -142,6 +142,19 @@ def rollout_bound(run: dict, cores: dict) -> str | None:
     )
 
 
+def straggler_bound(run: dict) -> str | None:
+    """In words, when most of a run's trainer wait was for the stragglers of groups due at their staleness deadline
+    while a batch of other complete groups was ready (`wait_due`). None otherwise, or when the wait is short."""
+    wait, due = run["step_breakdown"].get("wait", 0.0), run["step_breakdown"].get("wait_due", 0.0)
+    if wait < 0.05 or due < 0.5 * wait:
+        return None
+    return (
+        f"the trainer waited {wait:.3f} s a step, {due:.3f} s of it for stragglers of groups due at their staleness "
+        "deadline while a batch was ready: long answers hold training back (a larger trainer.max_staleness gives "
+        "them more versions, at more staleness)"
+    )
+
+
 def out_path(args: argparse.Namespace) -> Path:
     return Path(args.out or f"runs/bench/pipeline-{task_label(args.task)}.json")
 
@@ -269,8 +282,12 @@ def table(report: dict) -> str:
         f"{bound['async_ceiling_steps_per_s']:.3f} steps/s, {bound['async_ceiling_over_sync']:.2f}x sync "
         "(this machine's ceiling)"
     )
-    if hint := rollout_bound(report["runs"]["async"], report["cores_given"]):
-        lines.append(f"async: {hint}")
+    for hint in (
+        rollout_bound(report["runs"]["async"], report["cores_given"]),
+        straggler_bound(report["runs"]["async"]),
+    ):
+        if hint:
+            lines.append(f"async: {hint}")
     lines.append("trainer step breakdown, mean seconds per step:")
     for name, r in report["runs"].items():
         lines.append(f"  {name}: " + ", ".join(f"{phase} {s:.3f}" for phase, s in r["step_breakdown"].items()))

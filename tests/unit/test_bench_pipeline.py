@@ -12,6 +12,7 @@ from pipeline.bench.pipeline import (
     out_path,
     rollout_bound,
     shared_model,
+    straggler_bound,
     table,
     variant_configs,
     window_rates,
@@ -174,6 +175,18 @@ def test_a_busy_rollout_beside_idle_cores_is_named_with_the_fix():
     assert rollout_bound({"cpu_cores": {"rollout": 1.33, "trainer": 0.37}}, two_workers) is None
 
 
+def test_a_trainer_waiting_for_due_stragglers_is_named():
+    held = {"step_breakdown": {"train": 0.397, "wait": 0.394, "wait_due": 0.373}}  # session 20's two-worker chain run
+    assert straggler_bound(held) == (
+        "the trainer waited 0.394 s a step, 0.373 s of it for stragglers of groups due at their staleness deadline "
+        "while a batch was ready: long answers hold training back (a larger trainer.max_staleness gives them more "
+        "versions, at more staleness)"
+    )
+    assert straggler_bound({"step_breakdown": {"wait": 0.394, "wait_due": 0.1}}) is None  # mostly generation
+    assert straggler_bound({"step_breakdown": {"wait": 0.04, "wait_due": 0.04}}) is None  # too short to matter
+    assert straggler_bound({"step_breakdown": {"wait": 1.3}}) is None  # a run from before the trainer timed it
+
+
 def test_cores_given_per_role_against_the_machine():
     given = ["rollout.workers=2", "broker.partitions=2", "rollout.threads=3", "trainer.ranks=2", "reward.processes=4"]
     config = task_config("arith", given)
@@ -243,3 +256,5 @@ def test_the_table_names_the_task_and_the_cores_given_and_used():
     ]
     busy = {**report, "runs": {"async": {**run, "cpu_cores": {"rollout": 0.96, "trainer": 0.28}}}}
     assert table(busy).splitlines()[6] == f"async: {rollout_bound(busy['runs']['async'], report['cores_given'])}"
+    held = {**run, "step_breakdown": {"wait": 0.394, "wait_due": 0.373, "train": 0.397}}
+    assert table({**report, "runs": {"async": held}}).splitlines()[6] == f"async: {straggler_bound(held)}"
