@@ -362,6 +362,51 @@ def test_a_context_to_prefill_twice_is_computed_once(model, forward, tmp_path):
         assert seq.token_ids[3:] == rest[0].token_ids and seq.versions == [0] * 3 + [1] * 9
 
 
+def test_samples_share_one_row_while_their_contexts_agree(model, forward):
+    """A group's samples decode as one row until their draws part; each then goes on from a copy of the cache it
+    shared, and every behaviour logprob is still a full forward's of its own context."""
+    engine = Engine(model, seed=0, forward=forward)
+    rows, distinct = [], []
+
+    class Counted:  # the engine's forward, counting the rows it computes against the contexts running
+        def __call__(self, batch):
+            rows.append(batch.decode + batch.prefill)
+            distinct.append(len({(*s.prompt_ids, *s.token_ids) for s in engine.slots}))
+            return run(batch)
+
+        def __getattr__(self, name):
+            return getattr(run, name)
+
+    run, engine.forward = engine.forward, Counted()
+    params = SamplingParams(temperature=0.7, max_new_tokens=16)
+    seqs = generate_all(engine, [[1, 2, 3]] * 6 + [[4, 5]] * 2, params)
+    assert rows == distinct  # one row per context, every step
+    assert rows[0] == 2 and max(rows) > 2 and sum(rows) < 8 * len(rows)  # shared at first, parted later
+    for seq in seqs:
+        logp = torch.log_softmax(full_forward_logits(model, seq) / 0.7, -1)  # [new, V]
+        want = logp.gather(-1, torch.tensor(seq.token_ids)[:, None]).squeeze(-1)  # [new]
+        torch.testing.assert_close(torch.tensor(seq.logprobs), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("end", ["abort", "length"])
+def test_followers_go_on_alone_when_the_row_they_shared_ends(model, forward, end):
+    """The sequence computing a shared context is aborted, or reaches its length limit before the others: one of
+    them takes its cache, the other follows that one, and both decode as if they had been alone."""
+    engine = Engine(model, forward=forward)
+    first = engine.submit("s0", [1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=3 if end == "length" else 12))
+    others = [engine.submit(f"s{i}", [1, 2, 3], GREEDY) for i in (1, 2)]
+    for _ in range(2):
+        engine.step()
+    assert len(engine.leads) == 2 and all(lead is first for lead in engine.leads.values())
+    if end == "abort":
+        assert engine.abort("s0") is first
+    while not engine.idle():
+        engine.step()
+    assert first.finish_reason == ("length" if end == "length" else None)
+    for seq in others:
+        assert seq.token_ids == hf_greedy(model, [1, 2, 3], GREEDY.max_new_tokens)
+
+
 def test_admission_mid_flight_does_not_change_others(model, forward):
     alone = generate_all(Engine(model, forward=forward), PROMPTS[:2], GREEDY)
     engine = Engine(model, forward=forward)

@@ -261,7 +261,8 @@ class ThreadRecorder:
         return getattr(self.engine, name)
 
     def step(self):
-        prefills = self.engine.decoding < len(self.engine.slots) or bool(self.engine.waiting)
+        engine = self.engine  # slots to prefill lie between the decoding ones and the followers (engine.leads)
+        prefills = engine.decoding + len(engine.leads) < len(engine.slots) or bool(engine.waiting)
         self.steps.append((prefills, threading.get_ident() == self.loop_thread))
         return self.engine.step()
 

@@ -17,8 +17,14 @@ slot's sequence moves into the hole (one slot's cache copied), so no cache tenso
 concatenated, re-padded or re-sliced per step. A weight update loads in place and
 marks every running sequence for a full re-prefill (prompt + generated) in the next
 step's forward, so the next token comes from the new weights over a cache of them.
-Slots to prefill with the same context (a group's samples of one prompt; after an update,
-the same answer so far) are prefilled once: the others take that slot's cache and logits.
+Slots with the same whole context (a group's samples of one prompt; after an update, the
+same answer so far) are computed once. The first is the leader; the others follow it from
+the end of the slots, holding no cache and sampling from the leader's logits, and each
+step's draws decide: a follower that drew what its leader drew still shares its context,
+one that drew another token gets a copy of the leader's cache and decodes on its own (the
+first of each new draw; the others that drew the same follow that one). A low-entropy
+policy's group often decodes the same tokens for a while, or throughout (on chain's demo
+model ~20 % of decode rows at 64 rows): those rows cost nothing but their sampling.
 
 Slots are kept in descending length order where that is free: after an update every slot
 is re-prefilled longest first, newcomers (the shortest) join at the end, and one decode
@@ -439,7 +445,9 @@ class Engine:
             self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.waiting: deque[Sequence] = deque()
         self.slots: list[Sequence] = []  # slot i of the cache and row i of the sampling tensors below
-        self.decoding = 0  # slots 0..decoding-1 have all but their newest token cached; the rest need a prefill
+        self.decoding = 0  # slots 0..decoding-1 have all but their newest token cached...
+        self.leads: dict[str, Sequence] = {}  # ...the last len(leads) slots follow a decoding one (key -> it)...
+        # ...and the slots between them need a prefill
         self.greedy: torch.Tensor | None = None  # [B], rows at temperature 0: they take the argmax
         self.temperature: torch.Tensor | None = None  # [B, 1], what logits are divided by (1 for greedy rows)
         self.top_p: torch.Tensor | None = None  # [B]
@@ -480,8 +488,7 @@ class Engine:
         logits = self._forward()  # [B, V]
         tokens, logprobs = self._sample(logits)  # [B], [B]
         self.generated_tokens += len(self.slots)
-        finished = []
-        for i, (seq, tok, lp) in enumerate(zip(self.slots, tokens.tolist(), logprobs.tolist(), strict=True)):
+        for seq, tok, lp in zip(self.slots, tokens.tolist(), logprobs.tolist(), strict=True):
             seq.token_ids.append(tok)
             seq.logprobs.append(lp)
             seq.versions.append(self.version)
@@ -489,8 +496,8 @@ class Engine:
                 seq.finish_reason = "stop"
             elif len(seq.token_ids) >= seq.params.max_new_tokens or (self.max_len and len(seq) >= self.max_len):
                 seq.finish_reason = "length"
-            if seq.finish_reason:
-                finished.append(i)
+        self._part()
+        finished = [i for i, seq in enumerate(self.slots) if seq.finish_reason]
         done = [self.slots[i] for i in finished]
         for i in reversed(finished):  # descending, so the slot moved into a hole is never a finished one
             self._free(i)
@@ -521,14 +528,16 @@ class Engine:
         if self.recompute_cache:
             self.slots.sort(key=len, reverse=True)  # every slot is rewritten: tight prefill chunks, then runs
             self.decoding = 0
+            self.leads = {}  # the re-prefill finds the shared contexts again
             self.slots_changed = True
 
     @torch.inference_mode()  # the slot cache was made in step()'s inference mode, and _free may copy in it
     def abort(self, key: str) -> Sequence | None:
         """Drop one unfinished sequence: its slot is refilled at the next step."""
-        for i, seq in enumerate(self.slots):
+        for seq in self.slots:
             if seq.key == key:
-                self._free(i)
+                self._part(gone=seq)
+                self._free(next(i for i, s in enumerate(self.slots) if s is seq))
                 return seq
         for i, seq in enumerate(self.waiting):
             if seq.key == key:
@@ -563,7 +572,8 @@ class Engine:
             return
         new = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
         self._reserve(max(len(s.prompt_ids) + s.params.max_new_tokens for s in new))
-        self.slots[self.decoding :] = sorted(self.slots[self.decoding :] + new, key=len, reverse=True)
+        end = len(self.slots) - len(self.leads)  # the followers stay last
+        self.slots[self.decoding : end] = sorted(self.slots[self.decoding : end] + new, key=len, reverse=True)
         self.slots_changed = True
 
     def _reserve(self, need: int) -> None:
@@ -590,10 +600,11 @@ class Engine:
         """Retire the sequence in slot i, keeping the slots dense and the slot invariant.
 
         A cached slot takes the last cached slot's sequence and cache. Slots still to
-        prefill (after admission or a weight update) hold no cache and keep their
-        descending length order, which the prefill chunks rely on.
+        prefill (after admission or a weight update) and followers hold no cache, and the
+        former keep their descending length order, which the prefill chunks rely on.
         """
         if i >= self.decoding:
+            self.leads.pop(self.slots[i].key, None)
             del self.slots[i]
         else:
             last = self.decoding - 1
@@ -608,18 +619,19 @@ class Engine:
     # ---- model calls ----
 
     def _forward(self) -> torch.Tensor:
-        """Decode slots 0..decoding-1, prefill the rest (whole context); next-token logits [B, V].
+        """Decode slots 0..decoding-1, prefill the ones up to the followers (whole context); next-token logits
+        [B, V], a follower's its leader's.
 
         The decode rows ride with the first prefill chunk; further chunks, each under
         max_prefill_tokens padded tokens and PREFILL_SPREAD in width, get their own
         forward (after an interruption every slot is re-prefilled, and padding them all
         to the longest one would cost several times the real tokens). A context to prefill
         that another slot prefills too (a group's samples of one prompt, or the same answer
-        so far) is not computed again: its slot gets that slot's cache and logits.
+        so far) is not computed again: its slot follows that one (`_share_contexts`).
         """
         self._sort_decoding()
-        copies = self._same_contexts()  # slot -> the slot computing its context, for the slots at the end
-        computed = len(self.slots) - len(copies)
+        self._share_contexts()
+        computed = len(self.slots) - len(self.leads)
         logits, start = [], self.decoding
         while start < computed or not logits:
             end = start  # grow the chunk while its padded size fits the budget (lengths descend)
@@ -633,11 +645,12 @@ class Engine:
             decode = self.decoding if not logits else 0
             logits.append(self.forward(self._batch(start - decode, start, end)))
             start = end
-        self.decoding = len(self.slots)
+        self.decoding = computed
         logits = logits[0] if len(logits) == 1 else torch.cat(logits)  # [computed, V]
-        for slot, source in copies.items():
-            self.kv[:, :, slot, :, : len(self.slots[slot])] = self.kv[:, :, source, :, : len(self.slots[slot])]
-        return torch.cat([logits, logits[list(copies.values())]]) if copies else logits  # [B, V]
+        if not self.leads:
+            return logits
+        row = {id(seq): i for i, seq in enumerate(self.slots[:computed])}
+        return torch.cat([logits, logits[[row[id(self.leads[seq.key])] for seq in self.slots[computed:]]]])  # [B, V]
 
     def _sort_decoding(self) -> None:
         """Sort the decoding slots longest first again once retirements have mixed them up so far that blocks of
@@ -660,24 +673,51 @@ class Engine:
         self.slots[: len(order)] = [self.slots[source] for source in order]
         self.slots_changed = True
 
-    def _same_contexts(self) -> dict[int, int]:
-        """Move every slot to prefill whose context another one to prefill has too after those (the rest keep their
-        descending lengths) and return {its slot: the first slot with that context}."""
-        first: dict[tuple[int, ...], int] = {}
+    def _share_contexts(self) -> None:
+        """Make every slot to prefill whose whole context another one to prefill has too a follower of the first
+        such slot (the others keep their descending lengths)."""
+        end = len(self.slots) - len(self.leads)
+        first: dict[tuple[int, ...], Sequence] = {}
         unique, again = [], []
-        for seq in self.slots[self.decoding :]:
+        for seq in self.slots[self.decoding : end]:
             context = (*seq.prompt_ids, *seq.token_ids)
             if context in first:
-                again.append((seq, first[context]))
+                self.leads[seq.key] = first[context]
+                again.append(seq)
             else:
-                first[context] = self.decoding + len(unique)
+                first[context] = seq
                 unique.append(seq)
-        if not again:
-            return {}
-        self.slots[self.decoding :] = unique + [seq for seq, _ in again]
-        self.slots_changed = True
-        computed = self.decoding + len(unique)
-        return {computed + i: source for i, (_, source) in enumerate(again)}
+        if again:
+            self.slots[self.decoding : end] = unique + again  # `again` joins the followers
+            self.slots_changed = True
+
+    def _part(self, gone: Sequence | None = None) -> None:
+        """Followers whose newest token differs from their leader's, or whose leader ended (or is `gone`) without
+        them, decode on their own from now on: the first of each such draw with a copy of the leader's cache (their
+        contexts agree up to that token), the others that drew the same following it."""
+        if not self.leads:
+            return
+        slot = {id(seq): i for i, seq in enumerate(self.slots[: self.decoding])}
+        heads: dict[tuple[int, int], Sequence] = {}  # (leader, token) -> the follower promoted for that draw
+        for seq in self.slots[self.decoding :]:  # a copy: promotions move followers
+            leader = self.leads.get(seq.key)
+            if leader is None or seq.finish_reason:  # a slot to prefill, or a follower ending with its leader
+                continue
+            ended = leader.finish_reason or leader is gone
+            if not ended and leader.token_ids[-1:] == seq.token_ids[-1:]:
+                continue
+            draw = (id(leader), seq.token_ids[-1] if seq.token_ids else -1)
+            if draw in heads:
+                self.leads[seq.key] = heads[draw]
+                continue
+            del self.leads[seq.key]
+            heads[draw] = seq
+            j = next(i for i in range(self.decoding, len(self.slots)) if self.slots[i] is seq)
+            d, cached = self.decoding, len(seq) - 1
+            self.slots[j], self.slots[d] = self.slots[d], seq
+            self.kv[:, :, d, :, :cached] = self.kv[:, :, slot[id(leader)], :, :cached]  # [2, layers, Hkv, n, D]
+            self.decoding += 1
+            self.slots_changed = True
 
     def _batch(self, first: int, prefill: int, end: int) -> Batch:
         """Slots first..prefill-1 decode their newest token; slots prefill..end-1 feed their whole context."""
