@@ -43,6 +43,15 @@ def test_pack_shares_a_prompt_by_hand():
     assert packed.chosen(logp).tolist() == [[4, 15, 26], [58, 0, 0], [4, 17, 0], [74, 0, 0]]
 
 
+def test_pack_shares_a_repeated_answer_by_hand():
+    # rows 0 and 2 are the same prompt and answer: row 2 reads row 0's packed positions
+    ids = torch.tensor([[3, 4, 5, 6], [3, 4, 7, 0], [3, 4, 5, 6]])
+    packed = pack(ids, (ids > 0).long(), prompt_lengths=torch.tensor([2, 2, 2]))
+    assert packed.input_ids.tolist() == [[3, 4, 5, 6, 7]]
+    assert packed.cu_seqlens.tolist() == [0, 2, 4, 5] and packed.parents == [-1, 0, 0]
+    assert packed.index.tolist() == [[0, 1, 2], [0, 1, 0], [0, 1, 2]]
+
+
 def test_chunks_group_neighbouring_sequences_up_to_the_limit_and_a_longer_one_alone():
     # sequences of 3, 2, 1, 9, 2, 2 positions
     assert chunks([0, 3, 5, 6, 15, 17, 19], limit=6) == [[0, 3, 5, 6], [6, 15], [15, 17, 19]]
@@ -79,15 +88,18 @@ def test_block_causal_mask_by_hand():
     ]
 
 
-def random_sequences(n: int, seed: int = 0, tools: bool = False, group: int = 1):
+def random_sequences(n: int, seed: int = 0, tools: bool = False, group: int = 1, repeats: bool = False):
     """`n` random rows and their advantages; `tools`: with a random loss mask each (about a third tool tokens);
-    `group`: consecutive rows sampled from one prompt, as GRPO's groups are."""
+    `group`: consecutive rows sampled from one prompt, as GRPO's groups are; `repeats`: every third row of a group
+    repeats the answer before it (with its own behaviour logprobs and advantage)."""
     g = torch.Generator().manual_seed(seed)
     sequences = []
     for i in range(n):
         prompt_len, completion_len = (int(torch.randint(1, hi, (1,), generator=g)) for hi in (5, 8))
         prompt = torch.randint(1, 16, (prompt_len,), generator=g).tolist() if i % group == 0 else sequences[-1][0]
         completion = torch.randint(1, 16, (completion_len,), generator=g).tolist()
+        if repeats and i % group and i % 3 == 2:
+            completion, completion_len = sequences[-1][1], len(sequences[-1][1])
         behav = (-torch.rand(completion_len, generator=g) * 3 - 1).tolist()
         mask = (torch.rand(completion_len, generator=g) > 0.3).long().tolist() if tools else []
         sequences.append(Row(prompt, completion, behav, mask))
@@ -128,6 +140,14 @@ def test_packed_bfloat16_logprobs_stay_near_float32(tiny_qwen2):
     torch.testing.assert_close(got[valid], want[valid], rtol=0, atol=0.05)
 
 
+def shares_an_answer(packed) -> bool:
+    """Two rows of the pack read the same packed positions."""
+    rows = [
+        tuple(index) for index, valid in zip(packed.index.tolist(), packed.valid.tolist(), strict=True) if any(valid)
+    ]
+    return len(set(rows)) < len(rows)
+
+
 LOSS_OPTIONS = [  # caps that hit some tokens / sequences of the batch below (its sequence weights are 0.01-0.81)
     dict(
         aggregation="token_mean", behaviour_weight_level="token", behaviour_weight_mode="cap", behaviour_weight_cap=1.5
@@ -147,14 +167,15 @@ LOSS_OPTIONS = [  # caps that hit some tokens / sequences of the batch below (it
 ]
 
 
-@pytest.mark.parametrize("group", [1, 4], ids=["own prompts", "shared prompts"])
+@pytest.mark.parametrize("group", [1, 4, "4 with repeats"], ids=["own prompts", "shared prompts", "repeated answers"])
 @pytest.mark.parametrize("tools", [False, True], ids=["model tokens", "with tool tokens"])
 @pytest.mark.parametrize("options", LOSS_OPTIONS, ids=[o["aggregation"] for o in LOSS_OPTIONS])
 def test_packed_microbatched_gradients_equal_padded(options, tools, group, tiny_qwen2):
     settings = LossSettings(clip_eps=0.2, clip_eps_high=0.28, max_new_tokens=8, **options)
     padded_model = tiny_qwen2()
     packed_model = copy.deepcopy(padded_model)
-    sequences, advantages = random_sequences(8, seed=1, tools=tools, group=group)
+    repeats, group = group == "4 with repeats", 4 if group == "4 with repeats" else group
+    sequences, advantages = random_sequences(8, seed=1, tools=tools, group=group, repeats=repeats)
     batch = collate(sequences, advantages, pad_id=0)
     assert (batch.loss_mask.sum() < sum(len(row.completion) for row in sequences)) == tools  # tool tokens masked
     noise = torch.randn(batch.behav_logp.shape, generator=torch.Generator().manual_seed(2)) * 0.3  # [N, T-1]
@@ -166,6 +187,7 @@ def test_packed_microbatched_gradients_equal_padded(options, tools, group, tiny_
         pack(mb.input_ids, mb.attention_mask, mb.prompt_lengths) for mb in map(batch.select, batch.microbatches(split))
     ]
     assert any(max(p.parents) >= 0 for p in packs) == (group > 1)  # some micro-batch shares a prompt
+    assert any(shares_an_answer(p) for p in packs) == repeats  # some micro-batch packs an answer once for two rows
 
     logp = padded_logprobs(padded_model, batch)
     want, _ = decoupled_ppo_loss(logp, prox, batch.behav_logp, batch.advantages, batch.loss_mask, settings)

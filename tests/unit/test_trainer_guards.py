@@ -100,7 +100,7 @@ def scored(group: PromptGroup, sample: int, reward: float) -> Scored:
         released_at_version=group.released_at_version,
         attempt="a",
         prompt_tokens=[7, 10, 13],
-        completion_tokens=[5, 6, 1],
+        completion_tokens=[5 + sample, 6, 1],  # the same answer twice, at rewards 0 and 1, would train nothing
         logprobs=[-1.0] * 3,
         versions=[0] * 3,
         finish_reason="stop",

@@ -21,6 +21,9 @@ segment that attends to that prompt and causally to itself (`segment_parents`), 
 positions going on from the prompt's. Every logit is the one the row alone would give (up
 to float rounding), the prompt's forward and backward run once instead of n times (arith:
 6 prompt tokens, 3-token answers, 8 samples: a group packs in 30 positions instead of 72).
+A low-entropy policy often samples the same answer several times: rows that repeat another
+row of their group whole point at its packed positions and add none, and the gradients of
+both flow back through the one copy (their advantages and behaviour logprobs stay their own).
 """
 
 from __future__ import annotations
@@ -95,8 +98,15 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lengths: 
         if row in family:
             prompt = len(parents)
             shared_start = segment(row, 0, prompts[row], -1)
+            answers: dict[tuple, list[int]] = {}  # completion tokens -> the packed starts of the first row with them
             for member in family[row]:
-                starts[member] = [shared_start, segment(member, prompts[row], lengths[member], prompt) - prompts[row]]
+                answer = tuple(host_ids[member][prompts[row] : lengths[member]])
+                if answer not in answers:
+                    answers[answer] = [
+                        shared_start,
+                        segment(member, prompts[row], lengths[member], prompt) - prompts[row],
+                    ]
+                starts[member] = answers[answer]
         elif row not in shared:
             start = segment(row, 0, lengths[row], -1)
             starts[row], prompts[row] = [start, start], lengths[row]
