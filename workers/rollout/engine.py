@@ -445,9 +445,10 @@ class Engine:
             self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.waiting: deque[Sequence] = deque()
         self.slots: list[Sequence] = []  # slot i of the cache and row i of the sampling tensors below
-        self.decoding = 0  # slots 0..decoding-1 have all but their newest token cached...
-        self.leads: dict[str, Sequence] = {}  # ...the last len(leads) slots follow a decoding one (key -> it)...
-        # ...and the slots between them need a prefill
+        # slots: [decoding | to prefill | followers]; decoding ones have all but their newest token cached, the
+        # last len(leads) follow a decoding one with the same whole context and hold no cache
+        self.decoding = 0
+        self.leads: dict[str, Sequence] = {}  # follower key -> the decoding sequence whose row it shares
         self.greedy: torch.Tensor | None = None  # [B], rows at temperature 0: they take the argmax
         self.temperature: torch.Tensor | None = None  # [B, 1], what logits are divided by (1 for greedy rows)
         self.top_p: torch.Tensor | None = None  # [B]
