@@ -62,6 +62,12 @@ LEGACY_NAMES = {
 }
 
 
+# Fields replaced by one whose values differ: old dotted name -> what to write now.
+RETIRED_NAMES = {
+    "rollout.recompute_cache": "rollout.cache_lag (recompute_cache true is cache_lag 0, false a large cache_lag)",
+}
+
+
 def current_name(path: list[str], value: Any, used: set[str]) -> list[str]:
     """`path` itself, or where the old name it spells lives now (noted in `used`); a mapping is a section,
     never an old name (`trainer.microbatch` was a string)."""
@@ -133,6 +139,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
     tree = apply_overrides(tree, list(overrides), used)
     for old in sorted(used, key=list(LEGACY_NAMES).index):
         print(f"asyncrl: {old} is now {LEGACY_NAMES[old]} (the old name still works)", file=sys.stderr)
+    for old, now in RETIRED_NAMES.items():
+        if old.split(".")[-1] in (parent_of(tree, old.split(".")) or {}):
+            raise ConfigError(f"{old} is retired: use {now}")
     try:
         config = msgspec.convert(tree, RunConfig, strict=False)
     except msgspec.ValidationError as exc:
@@ -147,7 +156,8 @@ def resolve(config: RunConfig) -> RunConfig:
     Called where a config is handed to workers (`prepare`, which writes config.yaml; `asyncrl worker`)
     or shown (`--dry-run`), once the run directory is named.
 
-    rollout.max_new_tokens 0 and model.warmup_steps null -> the task's defaults; model.dtype auto -> bfloat16 on
+    rollout.max_new_tokens 0 and model.warmup_steps null -> the task's defaults; rollout.cache_lag null -> 1 on
+    the torch backend, 0 on vLLM; model.dtype auto -> bfloat16 on
     CUDA, float32 on CPU; broker.fetch_wait_ms 0 -> 20 ms when trainer.max_staleness is 0 (every hop is on the
     critical path of a synchronous step), else 200 ms;
     trainer.threads and rollout.threads 0 -> their shares of `cores` (0, a deployment: 1 each);
@@ -161,6 +171,8 @@ def resolve(config: RunConfig) -> RunConfig:
         rollout = replace(rollout, max_new_tokens=task.max_new_tokens)
     if model.warmup_steps is None:
         model = replace(model, warmup_steps=task.demo.warmup_max_steps)
+    if rollout.cache_lag is None:
+        rollout = replace(rollout, cache_lag=0 if rollout.backend == "vllm" else 1)
     if model.dtype == "auto":
         model = replace(model, dtype="bfloat16" if model.device.startswith("cuda") else "float32")
     if not broker.fetch_wait_ms:

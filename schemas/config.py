@@ -107,15 +107,16 @@ class RolloutConfig(Section):
     top_k: Annotated[int, doc("sample among the k most likely tokens; 0 = off", ge=0)] = 0
     max_new_tokens: Annotated[int, doc("completion length limit; 0 = the task's default", ge=0)] = 0
     interrupt: Annotated[bool, doc("interrupt in-flight sequences when new weights arrive")] = True
-    recompute_cache: Annotated[
-        bool,
+    cache_lag: Annotated[
+        Annotated[int, msgspec.Meta(ge=0)] | None,
         doc(
-            "after an interruption, recompute the KV cache of every unfinished sequence with the new weights "
-            "(AReaL); false keeps the cache the old weights made and computes only the tokens after with the new "
-            "ones (an in-flight update, as PipelineRL's): no re-prefill per version; torch backend only; "
-            "experimental: one chain run with it and rollout.max_batch=128 collapsed (README, Benchmarks)"
+            "versions a running sequence's KV cache may lag the weights: at an interruption, sequences whose cache "
+            "is older are re-prefilled under the new weights, the others keep it and compute only what follows "
+            "with the new ones (an in-flight update); 0 = recompute every running sequence at every version "
+            "(AReaL), a large value = never (PipelineRL); empty (null) = 1 on the torch backend, 0 on vLLM (which "
+            "re-prefills a resumed request: it takes 0 only)"
         ),
-    ] = True
+    ] = None
     threads: Annotated[
         int, doc("torch CPU threads of each rollout worker; 0 = its share of the run's cores (see `cores`)", ge=0)
     ] = 0
@@ -265,6 +266,15 @@ class TrainerConfig(Section):
     ] = False
     batch_groups: Annotated[int, doc("prompt groups per step (B)", ge=1)] = 8
     max_staleness: Annotated[int, doc("eta: a group released at version v trains by version v + eta", ge=0)] = 4
+    max_in_flight: Annotated[
+        int,
+        doc(
+            "groups released and not yet trained or dropped, at most (a cap under eta's (eta + 1) * B): groups "
+            "released beyond what the rollout workers can decode wait in a queue, spending their eta versions "
+            "there; 0 = no cap beyond eta's",
+            ge=0,
+        ),
+    ] = 0
     skip_uniform_groups: Annotated[
         int,
         doc(
@@ -365,9 +375,9 @@ class RunConfig(Section):
             )
         if self.data.system_prompt and self.data.template != "chat":
             raise ValueError("data.system_prompt needs data.template=chat (a raw prompt has no system turn)")
-        if self.rollout.backend == "vllm" and not self.rollout.recompute_cache:
+        if self.rollout.backend == "vllm" and self.rollout.cache_lag:
             raise ValueError(
-                "rollout.recompute_cache=false needs rollout.backend=torch (vLLM re-prefills a resumed request)"
+                "rollout.cache_lag above 0 needs rollout.backend=torch (vLLM re-prefills a resumed request)"
             )
         if self.rollout.workers > self.broker.partitions:
             raise ValueError(

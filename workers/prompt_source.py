@@ -207,7 +207,14 @@ class Source:
         return (
             self.released < needed
             and not self.exhausted
-            and may_release(self.released, version.version, cfg.batch_groups, cfg.max_staleness, version.groups_dropped)
+            and may_release(
+                self.released,
+                version.version,
+                cfg.batch_groups,
+                cfg.max_staleness,
+                version.groups_dropped,
+                cfg.max_in_flight,
+            )
         )
 
     def next_group(self, version: WeightVersion) -> PromptGroup:

@@ -151,7 +151,7 @@ def straggler_bound(run: dict) -> str | None:
     return (
         f"the trainer waited {wait:.3f} s a step, {due:.3f} s of it for stragglers of groups due at their staleness "
         "deadline while a batch was ready: long answers hold training back (a larger trainer.max_staleness gives "
-        "them more versions, at more staleness)"
+        "them more versions; with trainer.max_in_flight, at no more staleness for the others)"
     )
 
 

@@ -180,7 +180,7 @@ def test_a_trainer_waiting_for_due_stragglers_is_named():
     assert straggler_bound(held) == (
         "the trainer waited 0.394 s a step, 0.373 s of it for stragglers of groups due at their staleness deadline "
         "while a batch was ready: long answers hold training back (a larger trainer.max_staleness gives them more "
-        "versions, at more staleness)"
+        "versions; with trainer.max_in_flight, at no more staleness for the others)"
     )
     assert straggler_bound({"step_breakdown": {"wait": 0.394, "wait_due": 0.1}}) is None  # mostly generation
     assert straggler_bound({"step_breakdown": {"wait": 0.04, "wait_due": 0.04}}) is None  # too short to matter

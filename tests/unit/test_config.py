@@ -48,7 +48,7 @@ def test_round_trip_through_yaml(tmp_path):
         ("data.source=rows.jsonl data.reward=math", "needs model.path"),
         ("trainer.optim.minibatches=1000", "cannot exceed"),
         ("rollout.workers=3", "needs broker.partitions >= 3"),
-        ("rollout.backend=vllm rollout.recompute_cache=false", "needs rollout.backend=torch"),
+        ("rollout.backend=vllm rollout.cache_lag=1", "needs rollout.backend=torch"),
         ("trainer", "section.key=value"),
         ("trainer.optim.lr.x=1", "is a value, not a section"),
     ],
@@ -178,6 +178,15 @@ def test_an_old_and_a_new_name_for_one_setting_in_a_file_is_an_error(tmp_path):
     path.write_text("trainer:\n  lr: 1.0e-3\n  optim:\n    lr: 2.0e-3\n")
     with pytest.raises(ConfigError, match=r"sets both trainer\.lr and trainer\.optim\.lr"):
         load_config(path)
+
+
+@pytest.mark.parametrize("where", ["override", "file"])
+def test_a_retired_name_says_what_replaces_it(tmp_path, where):
+    path = tmp_path / "old.yaml"
+    path.write_text("rollout:\n  recompute_cache: false\n" if where == "file" else "{}\n")
+    overrides = ["rollout.recompute_cache=false"] if where == "override" else []
+    with pytest.raises(ConfigError, match=r"rollout\.recompute_cache is retired: use rollout\.cache_lag \("):
+        load_config(path, overrides)
 
 
 def test_shipped_configs_run_by_name():

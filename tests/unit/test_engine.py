@@ -250,25 +250,38 @@ def test_interruption_continues_like_fresh_engine_with_new_weights(model, forwar
     assert any(s.token_ids != o.token_ids for s, o in zip(seqs, old, strict=True))  # the update did change the policy
 
 
+def greedy_over_old_cache(old, new, cached: list[int], token: int, n: int) -> tuple[list[int], list[float]]:
+    """`n` tokens decoded greedily under `new` from `token`, attending Hugging Face's cache of `cached` under `old`:
+    the tokens and their logprobs."""
+    tokens, logprobs = [], []
+    with torch.no_grad():
+        cache = old(torch.tensor([cached]), use_cache=True).past_key_values
+        for _ in range(n):
+            logp = torch.log_softmax(new(torch.tensor([[token]]), past_key_values=cache).logits[0, -1], -1)  # [V]
+            token = int(logp.argmax())
+            tokens.append(token)
+            logprobs.append(float(logp[token]))
+    return tokens, logprobs
+
+
+def with_weights(weights: dict[str, torch.Tensor]) -> Qwen2ForCausalLM:
+    model = tiny_model(0)
+    model.load_state_dict(weights)
+    return model
+
+
 def test_an_update_without_recompute_keeps_the_old_cache_and_computes_what_follows_with_the_new_weights(
     model, forward, tmp_path
 ):
-    """recompute_cache=False: the reference is Hugging Face's cache of prompt + the first 4 tokens under the old
+    """An unbounded cache lag: the reference is Hugging Face's cache of prompt + the first 4 tokens under the old
     weights, then greedy decoding under the new ones from the 5th token on (the newest, not yet cached)."""
-    engine = Engine(model, version=0, forward=forward, recompute_cache=False)
+    engine = Engine(model, version=0, forward=forward, cache_lag=1000)
     seqs, new_weights = greedy_across_an_update(engine, PROMPTS, 5, tmp_path)
 
-    old, new = tiny_model(0), tiny_model(0)
-    new.load_state_dict(new_weights)
     for seq in seqs:
-        with torch.no_grad():
-            cache = old(torch.tensor([seq.prompt_ids + seq.token_ids[:4]]), use_cache=True).past_key_values
-            token, want_tokens, want_logp = seq.token_ids[4], [], []
-            for _ in range(7):
-                logp = torch.log_softmax(new(torch.tensor([[token]]), past_key_values=cache).logits[0, -1], -1)  # [V]
-                token = int(logp.argmax())
-                want_tokens.append(token)
-                want_logp.append(float(logp[token]))
+        want_tokens, want_logp = greedy_over_old_cache(
+            tiny_model(0), with_weights(new_weights), seq.prompt_ids + seq.token_ids[:4], seq.token_ids[4], 7
+        )
         assert seq.token_ids[5:] == want_tokens and seq.versions == [0] * 5 + [1] * 7
         torch.testing.assert_close(torch.tensor(seq.logprobs[5:]), torch.tensor(want_logp), atol=1e-4, rtol=0)
     recomputed = Engine(tiny_model(0), version=0, forward=forward)
@@ -279,6 +292,48 @@ def test_an_update_without_recompute_keeps_the_old_cache_and_computes_what_follo
     while not recomputed.idle():
         recomputed.step()
     assert any(a.logprobs != b.logprobs for a, b in zip(seqs, again, strict=True))  # the kept cache made a difference
+
+
+def test_a_cache_lagging_more_than_cache_lag_versions_is_recomputed(model, forward, tmp_path):
+    """cache_lag=1: sequences begun at v0 keep their cache over the update to v1 and are re-prefilled at v2, those
+    begun at v1 keep theirs at v2; twins (a follower each) go with their leader. Every token is checked against
+    Hugging Face over the cache each rule gives."""
+    engine = Engine(model, version=0, forward=forward, cache_lag=1)
+    early = [engine.submit(f"a{i}", p, GREEDY) for i, p in enumerate([*PROMPTS[:2], PROMPTS[0]])]
+    for _ in range(3):
+        engine.step()
+    w0, w1 = model.state_dict(), perturbed(model)
+    w0 = {k: v.clone() for k, v in w0.items()}
+    engine.update_weights(as_version(w1, tmp_path, 1))
+    assert engine.decoding == 2 and len(engine.leads) == 1  # nothing to recompute yet
+    late = [engine.submit(f"b{i}", p, GREEDY) for i, p in enumerate([PROMPTS[2], PROMPTS[3], PROMPTS[3]])]
+    for _ in range(3):
+        engine.step()
+    w2 = perturbed(model)
+    engine.update_weights(as_version(w2, tmp_path, 2))
+    assert engine.decoding == 2 and [s.key for s in engine.slots[:2]] == ["b1", "b0"]  # only the late ones kept
+    while not engine.idle():
+        engine.step()
+
+    fresh = Engine(with_weights(w2), version=2, forward=forward)
+    for seq in early:
+        assert seq.versions == [0] * 3 + [1] * 3 + [2] * 6
+        kept, _ = greedy_over_old_cache(
+            with_weights(w0), with_weights(w1), seq.prompt_ids + seq.token_ids[:2], seq.token_ids[2], 3
+        )
+        assert seq.token_ids[3:6] == kept
+        rest = generate_all(
+            fresh, [seq.prompt_ids + seq.token_ids[:6]], SamplingParams(temperature=0.0, max_new_tokens=6)
+        )
+        assert seq.token_ids[6:] == rest[0].token_ids
+    for seq in late:
+        assert seq.versions == [1] * 3 + [2] * 9
+        kept, logp = greedy_over_old_cache(
+            with_weights(w1), with_weights(w2), seq.prompt_ids + seq.token_ids[:2], seq.token_ids[2], 9
+        )
+        assert seq.token_ids[3:] == kept
+        torch.testing.assert_close(torch.tensor(seq.logprobs[3:]), torch.tensor(logp), atol=1e-4, rtol=0)
+    assert not engine.cached_at
 
 
 @pytest.mark.parametrize("load", ["update_weights", "in_place"])

@@ -28,3 +28,15 @@ def test_admission_at_training_time():
     assert not admissible(trainer_version=9, released_at_version=4, max_staleness=4)
     assert admissible(trainer_version=3, released_at_version=3, max_staleness=0)
     assert not admissible(trainer_version=4, released_at_version=3, max_staleness=0)
+
+
+def test_max_in_flight_caps_the_groups_out_below_etas_window():
+    # B = 8, eta = 8 would let 72 out at version 0; at most 24 released and not yet trained (version * B) or dropped
+    assert may_release(23, version=0, batch_groups=8, max_staleness=8, dropped=0, max_in_flight=24)
+    assert not may_release(24, version=0, batch_groups=8, max_staleness=8, dropped=0, max_in_flight=24)
+    assert may_release(31, version=1, batch_groups=8, max_staleness=8, dropped=0, max_in_flight=24)
+    assert not may_release(32, version=1, batch_groups=8, max_staleness=8, dropped=0, max_in_flight=24)
+    assert may_release(33, version=1, batch_groups=8, max_staleness=8, dropped=2, max_in_flight=24)
+    # a cap wider than eta's window changes nothing; 0 is no cap
+    assert not may_release(40, version=0, batch_groups=8, max_staleness=4, dropped=0, max_in_flight=100)
+    assert may_release(71, version=0, batch_groups=8, max_staleness=8, dropped=0, max_in_flight=0)

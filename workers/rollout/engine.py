@@ -15,8 +15,10 @@ row), while the newcomers are prefilled from position 0 as right-padded rows of 
 It then samples one token per slot and retires finished sequences at once: the last
 slot's sequence moves into the hole (one slot's cache copied), so no cache tensor is
 concatenated, re-padded or re-sliced per step. A weight update loads in place and
-marks every running sequence for a full re-prefill (prompt + generated) in the next
-step's forward, so the next token comes from the new weights over a cache of them.
+marks for a full re-prefill (prompt + generated) in the next step's forward every
+running sequence whose cache would lag the weights by more than `cache_lag` versions
+(all of them at 0), so their next token comes from the new weights over a cache of
+them; the others' next tokens come from the new weights over the cache they have.
 Slots with the same whole context (a group's samples of one prompt; after an update, the
 same answer so far) are computed once. The first is the leader; the others follow it from
 the end of the slots, holding no cache and sampling from the leader's logits, and each
@@ -419,11 +421,12 @@ class Engine:
         seed: int | None = None,
         max_prefill_tokens: int = 16384,
         forward: str = "auto",
-        recompute_cache: bool = True,
+        cache_lag: int = 0,
     ):
-        """`recompute_cache=False`: a weight update keeps the cache the old weights made (`update_weights`)."""
+        """`cache_lag`: versions a running sequence's cache may lag the weights before an update recomputes it
+        (`update_weights`)."""
         self.model = model.eval()
-        self.recompute_cache = recompute_cache
+        self.cache_lag = cache_lag
         self.device = next(model.parameters()).device
         avoid_cudnn_attention(self.device)  # every decode step has a new span
         self.max_batch = max_batch
@@ -449,6 +452,7 @@ class Engine:
         # last len(leads) follow a decoding one with the same whole context and hold no cache
         self.decoding = 0
         self.leads: dict[str, Sequence] = {}  # follower key -> the decoding sequence whose row it shares
+        self.cached_at: dict[str, int] = {}  # decoding key -> version of the weights its oldest cache entries are of
         self.greedy: torch.Tensor | None = None  # [B], rows at temperature 0: they take the argmax
         self.temperature: torch.Tensor | None = None  # [B, 1], what logits are divided by (1 for greedy rows)
         self.top_p: torch.Tensor | None = None  # [B]
@@ -512,25 +516,50 @@ class Engine:
         return seqs
 
     def update_weights(self, weights: WeightsFile) -> None:
-        """Load a version in place; the next step recomputes every running sequence's cache with it.
+        """Load a version in place; the next step recomputes the cache of every running sequence whose cache
+        would lag the weights by more than `cache_lag` versions.
 
-        Tokens already generated keep their old version; the next token is sampled
-        from logits of the new weights, over a cache of the whole sequence under them.
-        Without `recompute_cache` the cache stays as the old weights made it and only
-        what comes next is computed with the new ones (an in-flight update: no
-        re-prefill, which on a CPU costs ~25 decode steps of 64 rows); each token's
-        logprob is still the one it was sampled with. A missing file raises
-        FileNotFoundError before anything changed.
+        Tokens already generated keep their old version; the next token is sampled from
+        logits of the new weights. With `cache_lag` 0 (AReaL) they attend a cache of the
+        whole sequence under the new weights: every running sequence is re-prefilled,
+        which on a CPU costs ~25 decode steps of 64 rows. Otherwise a sequence keeps the
+        cache older weights made while its oldest entries are at most `cache_lag` versions
+        back, and only what comes next is computed with the new ones (an in-flight update,
+        as PipelineRL's when the lag is unbounded): most sequences of a long-tailed task end
+        before they are recomputed once. Each token's logprob is the one it was sampled
+        with either way. A missing file raises FileNotFoundError before anything changed.
         """
         load_into(self.model, read_version(weights.path))  # outside inference mode: parameters stay normal tensors
         self.forward.refresh()  # the direct forward's fused weights are copies
         self.version = weights.version
         self.weight_updates += 1
-        if self.recompute_cache:
-            self.slots.sort(key=len, reverse=True)  # every slot is rewritten: tight prefill chunks, then runs
-            self.decoding = 0
-            self.leads = {}  # the re-prefill finds the shared contexts again
-            self.slots_changed = True
+        decoding = self.slots[: self.decoding]
+        stale = [seq for seq in decoding if self.version - self.cached_at[seq.key] > self.cache_lag]
+        if stale:
+            self._recompute(stale)
+
+    @torch.inference_mode()  # the slot cache was made in step()'s inference mode
+    def _recompute(self, stale: list[Sequence]) -> None:
+        """Move the `stale` decoding sequences, and their followers, to the slots to prefill (longest first, for
+        tight chunks; the prefill finds shared contexts again), the others' caches into the first slots."""
+        redo = {id(seq) for seq in stale}
+        kept = [i for i, seq in enumerate(self.slots[: self.decoding]) if id(seq) not in redo]
+        moved = [(slot, source) for slot, source in enumerate(kept) if slot != source]
+        caches = [self.kv[:, :, source, :, : len(self.slots[source]) - 1].clone() for _, source in moved]
+        for (slot, _), cache in zip(moved, caches, strict=True):  # [2, layers, Hkv, n, D]
+            self.kv[:, :, slot, :, : cache.shape[-2]] = cache
+        end = len(self.slots) - len(self.leads)
+        followers = self.slots[end:]
+        orphans = [seq for seq in followers if id(self.leads[seq.key]) in redo]
+        for seq in stale:
+            del self.cached_at[seq.key]
+        for seq in orphans:
+            del self.leads[seq.key]
+        prefill = sorted(stale + orphans + self.slots[self.decoding : end], key=len, reverse=True)
+        following = [seq for seq in followers if seq.key in self.leads]
+        self.slots = [self.slots[i] for i in kept] + prefill + following
+        self.decoding = len(kept)
+        self.slots_changed = True
 
     @torch.inference_mode()  # the slot cache was made in step()'s inference mode, and _free may copy in it
     def abort(self, key: str) -> Sequence | None:
@@ -555,6 +584,7 @@ class Engine:
             generated_tokens=self.generated_tokens,
             weight_updates=self.weight_updates,
             interrupted=self.interrupted,
+            prefilling=len(self.slots) - self.decoding - len(self.leads),
         )
 
     def close(self) -> None:
@@ -608,6 +638,7 @@ class Engine:
             self.leads.pop(self.slots[i].key, None)
             del self.slots[i]
         else:
+            del self.cached_at[self.slots[i].key]
             last = self.decoding - 1
             if i < last:
                 cached = len(self.slots[last]) - 1  # its newest token is fed by the next step's forward
@@ -646,6 +677,8 @@ class Engine:
             decode = self.decoding if not logits else 0
             logits.append(self.forward(self._batch(start - decode, start, end)))
             start = end
+        for seq in self.slots[self.decoding : computed]:
+            self.cached_at[seq.key] = self.version
         self.decoding = computed
         logits = logits[0] if len(logits) == 1 else torch.cat(logits)  # [computed, V]
         if not self.leads:
@@ -715,8 +748,9 @@ class Engine:
             heads[draw] = seq
             j = next(i for i in range(self.decoding, len(self.slots)) if self.slots[i] is seq)
             d, cached = self.decoding, len(seq) - 1
-            self.slots[j], self.slots[d] = self.slots[d], seq
+            self.slots.insert(d, self.slots.pop(j))  # slots still to prefill (after an update) keep their order
             self.kv[:, :, d, :, :cached] = self.kv[:, :, slot[id(leader)], :, :cached]  # [2, layers, Hkv, n, D]
+            self.cached_at[seq.key] = self.cached_at[leader.key]
             self.decoding += 1
             self.slots_changed = True
 

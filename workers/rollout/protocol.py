@@ -12,8 +12,8 @@ A weight update takes two calls, so that the caller can hand on what was generat
 under the old policy before the policy changes: `interrupt()` returns every
 unfinished sequence as it stands, and `update_weights(WeightsFile)` loads the new
 version and continues them all under it, recomputing their KV caches from prompt +
-tokens so far (the torch engine's `recompute_cache=False` keeps the old caches instead,
-`rollout.recompute_cache`). If the file is gone it raises FileNotFoundError and they continue on
+tokens so far (the torch engine keeps a cache up to `rollout.cache_lag` versions old
+instead). If the file is gone it raises FileNotFoundError and they continue on
 the old weights; a `step()` before any update does the same. `update_weights` alone
 also works: it interrupts on its own.
 """
@@ -63,6 +63,7 @@ class EngineStats:
     generated_tokens: int  # tokens appended to sequences (not those an interruption dropped unseen)
     weight_updates: int  # versions loaded by update_weights
     interrupted: int  # sequences handed back by interrupt(), summed over its calls
+    prefilling: int = 0  # admitted sequences whose cache the next step computes (after an update: those it recomputes)
 
 
 @runtime_checkable

@@ -82,7 +82,7 @@ def make_engine(config: RunConfig) -> RolloutEngine:
         max_batch=config.rollout.max_batch,
         version=0,
         seed=config.seed,
-        recompute_cache=config.rollout.recompute_cache,
+        cache_lag=config.rollout.cache_lag,
     )
 
 
@@ -110,7 +110,6 @@ class Rollout:
         self.load_seconds = 0.0  # spent verifying and loading weight versions, and how many loaded
         self.loads = 0
         self.refused_version = -1  # the newest announced version whose file failed verification
-        self.reloaded = False  # weights loaded since the last step: the next one re-prefills
         self.answering: set[asyncio.Task] = set()  # calls being answered, out of the engine meanwhile
         self.answered: list[tuple[str, Conversation]] = []  # their next turns, submitted by the next `step`
 
@@ -218,7 +217,6 @@ class Rollout:
                     await self.emit(seq, "interrupted")
                     self.interrupted += 1
             await asyncio.to_thread(self.engine.update_weights, weights)
-            self.reloaded = True
         except (WeightsError, OSError, ValueError, RuntimeError, SafetensorError) as error:  # unloadable
             self.refused_version = announced.version
             self.ctx.log.warning(
@@ -257,7 +255,6 @@ class Rollout:
         else:
             finished = self.engine.step()
             await asyncio.sleep(0)  # the consumer's heartbeats and the producer's sends run between steps
-        self.reloaded = False
         for seq in finished:
             conversation = self.groups[prompt_id_of(seq.key)].conversations[seq.key]
             if is_call(seq, self.call_token) and conversation.calls < self.workflow.max_calls:
@@ -274,10 +271,10 @@ class Rollout:
         return done
 
     def prefills_next(self) -> bool:
-        """Whether the engine's next step prefills: every running sequence after a weight load, or waiting
+        """Whether the engine's next step prefills: sequences a weight load left to recompute, or waiting
         requests it has room to admit."""
         stats = self.engine.stats()
-        return self.reloaded or (stats.queued > 0 and stats.running - stats.queued < stats.capacity)
+        return stats.prefilling > 0 or (stats.queued > 0 and stats.running - stats.queued < stats.capacity)
 
     async def answer(self, seq: Sequence, conversation: Conversation) -> None:
         """Append the workflow's reply to the call ending `seq` to its conversation; `step` sends both as a
