@@ -1,3 +1,9 @@
+import msgspec
+
+from pipeline.config import load_config
+from pipeline.demo_model import build_tokenizer
+from schemas.messages import WeightVersion
+from workers.prompt_source import INITIAL, Row, Source
 from workers.staleness import admissible, may_release
 
 
@@ -40,3 +46,20 @@ def test_max_in_flight_caps_the_groups_out_below_etas_window():
     # a cap wider than eta's window changes nothing; 0 is no cap
     assert not may_release(40, version=0, batch_groups=8, max_staleness=4, dropped=0, max_in_flight=100)
     assert may_release(71, version=0, batch_groups=8, max_staleness=8, dropped=0, max_in_flight=0)
+
+
+def test_the_prompt_source_keeps_to_max_in_flight(tmp_path):
+    build_tokenizer(tmp_path / "model")
+    overrides = ["trainer.batch_groups=2", "trainer.max_staleness=8", "trainer.max_in_flight=3"]
+    config = load_config(None, [f"runs_dir={tmp_path}", f"model.path={tmp_path / 'model'}", *overrides])
+    source = Source(config, [Row(i, f"{i}+1=", str(i + 1), {}) for i in range(20)], released=[])
+
+    def release_all(version: WeightVersion) -> int:
+        while source.may_release(version):
+            source.next_group(version)
+        return source.released
+
+    assert release_all(INITIAL) == 3  # eta alone would let 18 out
+    trained_one = msgspec.structs.replace(INITIAL, version=1, groups_consumed=2)
+    assert release_all(trained_one) == 5  # 1 * B + 3
+    assert release_all(msgspec.structs.replace(trained_one, groups_dropped=1)) == 6
