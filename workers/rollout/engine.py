@@ -533,8 +533,7 @@ class Engine:
         self.forward.refresh()  # the direct forward's fused weights are copies
         self.version = weights.version
         self.weight_updates += 1
-        decoding = self.slots[: self.decoding]
-        stale = [seq for seq in decoding if self.version - self.cached_at[seq.key] > self.cache_lag]
+        stale = [seq for seq in self.slots[: self.decoding] if self.version - self.cached_at[seq.key] > self.cache_lag]
         if stale:
             self._recompute(stale)
 
@@ -544,10 +543,7 @@ class Engine:
         tight chunks; the prefill finds shared contexts again), the others' caches into the first slots."""
         redo = {id(seq) for seq in stale}
         kept = [i for i, seq in enumerate(self.slots[: self.decoding]) if id(seq) not in redo]
-        moved = [(slot, source) for slot, source in enumerate(kept) if slot != source]
-        caches = [self.kv[:, :, source, :, : len(self.slots[source]) - 1].clone() for _, source in moved]
-        for (slot, _), cache in zip(moved, caches, strict=True):  # [2, layers, Hkv, n, D]
-            self.kv[:, :, slot, :, : cache.shape[-2]] = cache
+        self._move_caches(kept)
         end = len(self.slots) - len(self.leads)
         followers = self.slots[end:]
         orphans = [seq for seq in followers if id(self.leads[seq.key]) in redo]
@@ -698,14 +694,18 @@ class Engine:
         if block_columns(cached) <= SORT_WASTE * (sum(cached) + len(cached)):
             return
         order = sorted(range(len(cached)), key=lambda j: -cached[j])  # stable: equal lengths stay put
-        moved = [(slot, source) for slot, source in enumerate(order) if slot != source]
-        if not moved:
+        if order == sorted(order):
             return
-        caches = [self.kv[:, :, source, :, : cached[source]].clone() for _, source in moved]  # [2, L, Hkv, n, D]
-        for (slot, _), cache in zip(moved, caches, strict=True):
-            self.kv[:, :, slot, :, : cache.shape[-2]] = cache
+        self._move_caches(order)
         self.slots[: len(order)] = [self.slots[source] for source in order]
         self.slots_changed = True
+
+    def _move_caches(self, order: list[int]) -> None:
+        """Slot k takes the cache of decoding slot order[k] (all but its newest token)."""
+        moved = [(slot, source) for slot, source in enumerate(order) if slot != source]
+        caches = [self.kv[:, :, source, :, : len(self.slots[source]) - 1].clone() for _, source in moved]
+        for (slot, _), cache in zip(moved, caches, strict=True):  # [2, layers, Hkv, n, D]
+            self.kv[:, :, slot, :, : cache.shape[-2]] = cache
 
     def _share_contexts(self) -> None:
         """Make every slot to prefill whose whole context another one to prefill has too a follower of the first
