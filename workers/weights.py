@@ -2,8 +2,9 @@
 
 Tied parameters (e.g. embeddings shared with the LM head) are stored once; loading
 restores them through the module, since both names point at one tensor. The
-announced hash is the file's sha256; every reader checks it (`verify`) before it
-loads a version, so a torn or corrupted file is refused, never half-loaded.
+announced hash is the file's sha256; every reader checks it before it loads a version
+(`read_verified` hashes the very bytes it loads), so a torn or corrupted file is refused,
+never half-loaded.
 
 The trainer publishes a version every step, so the write is streamed: each tensor's
 own memory goes to the file and into the hash as it is written (`write_safetensors`).
@@ -19,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+import safetensors.torch
 import torch
-from safetensors.torch import load_file
 
 
 def unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -41,6 +42,7 @@ class WeightsFile:
 
     path: Path  # a safetensors file written by `write_version`
     version: int  # the trainer version the file holds
+    sha256: str | None = None  # the announced hash: an engine given one never loads bytes that hash otherwise
 
 
 class WeightsError(ValueError):
@@ -121,10 +123,31 @@ def verify(path: str | Path, expected_hash: str, version: int) -> WeightsFile:
     try:
         actual = file_hash(path)
     except FileNotFoundError:
-        raise WeightsError(f"weights v{version}: {path} does not exist (deleted, or storage not shared)") from None
-    if actual != expected_hash:
-        raise WeightsError(f"weights v{version}: {path} has sha256 {actual[:16]}..., announced {expected_hash[:16]}...")
-    return WeightsFile(path, version)
+        raise WeightsError(missing(path, version)) from None
+    check_hash(path, version, actual, expected_hash)
+    return WeightsFile(path, version, expected_hash)
+
+
+def read_verified(weights: WeightsFile) -> dict[str, torch.Tensor]:
+    """The tensors of a version, from one read of its file: the bytes hashed against `weights.sha256` (if set)
+    are the bytes loaded, so a file replaced between a check and a load is never loaded unchecked.
+    FileNotFoundError once the file is gone, WeightsError if the bytes are not the announced ones."""
+    try:
+        data = Path(weights.path).read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(missing(weights.path, weights.version)) from None
+    if weights.sha256 is not None:
+        check_hash(weights.path, weights.version, hashlib.sha256(data).hexdigest(), weights.sha256)
+    return safetensors.torch.load(data)
+
+
+def missing(path: Path, version: int) -> str:
+    return f"weights v{version}: {path} does not exist (deleted, or storage not shared)"
+
+
+def check_hash(path: Path, version: int, actual: str, expected: str) -> None:
+    if actual != expected:
+        raise WeightsError(f"weights v{version}: {path} has sha256 {actual[:16]}..., announced {expected[:16]}...")
 
 
 def version_path(weights_dir: Path, version: int) -> Path:
@@ -150,7 +173,7 @@ def write_version(tensors: dict[str, torch.Tensor], weights_dir: Path, version: 
 
 def read_version(path: str | Path) -> dict[str, torch.Tensor]:
     """The tensors of one version (raises FileNotFoundError once it was deleted)."""
-    return load_file(str(path))
+    return safetensors.torch.load_file(str(path))
 
 
 def load_into(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:

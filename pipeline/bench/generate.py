@@ -27,6 +27,7 @@ with other work, CPU time is the steadier measure of the same thing.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import random
@@ -84,9 +85,16 @@ def summary(lengths: list[int]) -> dict[str, float]:
     }
 
 
+def own_engine(model, **settings) -> Engine:
+    """An engine over its own copy of `model`, as a rollout worker's: the engine lays the weights out its way
+    (workers.rollout.engine.fuse), which must not change the model that Hugging Face generate and the matmul
+    ceiling run on."""
+    return Engine(copy.deepcopy(model), **settings)
+
+
 def run_engine(model, prompts: list[list[int]], lengths: list[int], s: Settings, bar: tqdm) -> dict:
     """Submit everything at once; the engine keeps `concurrency` rows busy, admitting as rows finish."""
-    engine = Engine(model, max_batch=s.concurrency, seed=s.seed)
+    engine = own_engine(model, max_batch=s.concurrency, seed=s.seed)
     start, cpu = time.perf_counter(), time.process_time()
     seqs = [
         engine.submit(str(i), p, SamplingParams(temperature=s.temperature, max_new_tokens=n))
@@ -162,21 +170,23 @@ def step_costs(model, prompts: list[list[int]], lengths: list[int], s: Settings)
     params = SamplingParams(temperature=s.temperature, max_new_tokens=s.max_new_tokens)
     decode = {}
     for rows in sorted({1, 16, s.concurrency}):
-        engine = Engine(model, max_batch=rows, seed=s.seed)
+        engine = own_engine(model, max_batch=rows, seed=s.seed)
         for i in range(rows):
             engine.submit(str(i), prompts[i % len(prompts)], params)
         engine.step()  # the prefill
         decode[rows] = best_ms(engine.step)
-    engine = Engine(model, max_batch=s.concurrency, seed=s.seed)  # mid-run: contexts of many lengths
+    engine = own_engine(model, max_batch=s.concurrency, seed=s.seed)  # mid-run: contexts of many lengths
     for i, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
         engine.submit(str(i), prompt, SamplingParams(temperature=s.temperature, max_new_tokens=n))
     for _ in range(s.max_new_tokens // 2):
         engine.step()
     with tempfile.TemporaryDirectory() as tmp:  # the trainer's part, written once, untimed
-        path, _ = write_version(unique_state_dict(model), Path(tmp), engine.version + 1, keep=1)
-        weights = WeightsFile(path, engine.version + 1)
+        path, digest = write_version(unique_state_dict(model), Path(tmp), engine.version + 1, keep=1)
+        weights = WeightsFile(path, engine.version + 1, digest)
 
-        def update() -> None:  # timed: interrupt(), reading the file and loading it in place, the re-prefill step
+        def update() -> (
+            None
+        ):  # timed: interrupt(), reading and hashing the file, loading it in place, the re-prefill step
             engine.interrupt()
             engine.update_weights(weights)
             engine.step()

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
 from pipeline.demo_model import build_model, build_tokenizer
 from workers.rollout.engine import Engine
 from workers.rollout.protocol import RolloutEngine, SamplingParams, Sequence, generate_all
-from workers.weights import WeightsFile, unique_state_dict, write_version
+from workers.weights import WeightsError, WeightsFile, unique_state_dict, write_version
 
 torch.set_num_threads(1)
 
@@ -49,10 +49,13 @@ def model(tmp_path_factory) -> Model:
     v0, v1 = (random_qwen2(config, seed) for seed in (0, 1))
     v0.save_pretrained(path)
     weights = tmp_path_factory.mktemp("weights")
-    return Model(
-        path,
-        *(WeightsFile(write_version(unique_state_dict(m), weights, v, keep=2)[0], v) for v, m in enumerate((v0, v1))),
-    )
+    return Model(path, *(published(m, weights, v) for v, m in enumerate((v0, v1))))
+
+
+def published(model, weights_dir: Path, version: int) -> WeightsFile:
+    """`model` as the trainer publishes a version, with the sha256 it announces."""
+    path, digest = write_version(unique_state_dict(model), weights_dir, version, keep=2)
+    return WeightsFile(path, version, digest)
 
 
 @pytest.fixture(scope="module")
@@ -212,3 +215,16 @@ def test_a_missing_weights_file_keeps_the_old_version(engine, tmp_path):
     run_out(engine)
     assert [s.token_ids for s in seqs] == [s.token_ids for s in reference]
     assert all(s.versions == [0] * GREEDY.max_new_tokens for s in seqs)
+
+
+def test_weights_whose_bytes_are_not_the_announced_ones_are_refused_and_change_nothing(engine, model: Model):
+    reference = generate_all(engine, PROMPTS, GREEDY)
+    seqs = [engine.submit(f"s{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+    engine.step()
+    before = engine.stats()
+    engine.interrupt()
+    with pytest.raises(WeightsError, match="sha256"):
+        engine.update_weights(replace(model.v1, sha256="0" * 64))
+    assert engine.version == 0 and engine.stats().weight_updates == before.weight_updates
+    run_out(engine)
+    assert [s.token_ids for s in seqs] == [s.token_ids for s in reference]

@@ -338,11 +338,12 @@ def test_a_cache_lagging_more_than_cache_lag_versions_is_recomputed(model, forwa
 
 @pytest.mark.parametrize("load", ["update_weights", "in_place"])
 def test_direct_forward_follows_weight_loads(model, tmp_path, load):
-    """The direct forward runs on fused copies of the weights: after a load, through the engine or straight
-    into the model in place, every next logit must be a fresh forward's under the new weights."""
+    """The direct forward runs on the weights laid out fused, the model's parameters views into them: after a
+    load, through the engine or straight into the model in place, every next logit must be a fresh forward's
+    under the new weights."""
     engine = Engine(model, forward="direct")
-    assert engine.forward.copy  # a tiny model's weights are copied
-    generate_all(engine, PROMPTS, GREEDY)  # the copies of the old weights in use
+    assert engine.forward.fused  # a tiny model's weights are laid out fused
+    generate_all(engine, PROMPTS, GREEDY)  # the old weights in use
     new_weights = perturbed(model)
     if load == "update_weights":
         engine.update_weights(as_version(new_weights, tmp_path, 1))
@@ -355,11 +356,11 @@ def test_direct_forward_follows_weight_loads(model, tmp_path, load):
         torch.testing.assert_close(torch.tensor(seq.logprobs), want, atol=1e-4, rtol=0)
 
 
-def test_direct_forward_without_copies_matches_hf_generate(model, monkeypatch):
-    """A model over COPY_BYTES runs the direct forward on its parameters as they are."""
-    monkeypatch.setattr(engine_module, "COPY_BYTES", 0)
+def test_direct_forward_unfused_matches_hf_generate(model, monkeypatch):
+    """A model over FUSE_BYTES runs the direct forward on its parameters as they are."""
+    monkeypatch.setattr(engine_module, "FUSE_BYTES", 0)
     engine = Engine(model, forward="direct")
-    assert not engine.forward.copy
+    assert not engine.forward.fused
     for prompt, seq in zip(PROMPTS, generate_all(engine, PROMPTS, GREEDY), strict=True):
         assert seq.token_ids == hf_greedy(model, prompt, GREEDY.max_new_tokens)
 

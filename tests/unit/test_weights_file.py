@@ -9,7 +9,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load, load_file
 
-from workers.weights import file_hash, verify, write_safetensors, write_version
+from workers import weights
+from workers.weights import (
+    WeightsError,
+    WeightsFile,
+    file_hash,
+    read_verified,
+    verify,
+    write_safetensors,
+    write_version,
+)
 
 
 def every_kind() -> dict[str, torch.Tensor]:
@@ -53,6 +62,27 @@ def test_write_version_announces_the_sha256_every_reader_verifies(tmp_path):
         assert opened.metadata() == {"version": "3"}
     assert torch.equal(load_file(path)["transposed"], tensors["transposed"])
     assert not list(tmp_path.glob("*.partial"))
+
+
+def test_read_verified_loads_the_bytes_it_hashed_and_refuses_others(tmp_path, monkeypatch):
+    tensors = every_kind()
+    path, digest = write_version(tensors, tmp_path, 3, keep=2)
+    other, _ = write_version({"f32": torch.zeros(3, 5)}, tmp_path / "other", 3, keep=1)
+    real_sha256 = hashlib.sha256
+
+    def replaced_while_hashing(data: bytes):  # a writer swaps the file in between a check and a load
+        path.write_bytes(other.read_bytes())
+        return real_sha256(data)
+
+    monkeypatch.setattr(weights.hashlib, "sha256", replaced_while_hashing)
+    loaded = read_verified(WeightsFile(path, 3, digest))
+    assert set(loaded) == set(tensors) and torch.equal(loaded["transposed"], tensors["transposed"])
+    monkeypatch.undo()
+    with pytest.raises(WeightsError, match=r"weights v3: .* has sha256 .*, announced " + digest[:16]):
+        read_verified(WeightsFile(path, 3, digest))  # now the other file's bytes
+    assert set(read_verified(WeightsFile(path, 3))) == {"f32"}  # no hash given: loaded unchecked
+    with pytest.raises(FileNotFoundError, match=r"weights v4: .* does not exist \(deleted, or storage not shared\)"):
+        read_verified(WeightsFile(tmp_path / "gone.safetensors", 4, digest))
 
 
 def test_a_dtype_safetensors_cannot_store_is_named():

@@ -38,13 +38,13 @@ longest one read ~5x the cache the rows' own contexts hold (measured on chain's 
 The forward. For the Llama family (Llama, Qwen2, Qwen3) the engine runs its own
 forward over the HF model's own modules' parameters (embedding, q/k/v/o projections,
 the model's rotary embedding tabulated per position, RMSNorm, gated MLP, LM head; a
-small model's projections as fused copies, see DirectForward) as plain tensor ops on a
+small model's projections laid out fused, see DirectForward) as plain tensor ops on a
 flat token batch, because a transformers Cache cannot serve decode and prefill rows of
 different widths in one pass, and at rollout sizes a step is dominated by reading the
 weights and by per-op overhead. Measured on the demo
-model (2 cores, 1 thread), before the fused copies: the direct decode step took
+model (2 cores, 1 thread), before the fused layout: the direct decode step took
 0.6-0.75x the time of the HF forward over the same slot cache at 1-8 rows, 0.9x at 64
-rows, and the long-tailed benchmark ran ~1.2x faster; the copies then made the direct
+rows, and the long-tailed benchmark ran ~1.2x faster; the fused layout then made the direct
 step 1.21x / 1.33x / 1.20x faster at 1 / 16 / 64 rows. Any other full-attention model goes through
 its HF forward with `SlotCache` (a transformers Cache writing into the same slot
 storage) and a per-row 4D mask: same scheduling and results, decode and prefill in
@@ -65,6 +65,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -72,14 +73,14 @@ from transformers.cache_utils import Cache
 
 from workers.models import avoid_cudnn_attention
 from workers.rollout.protocol import EngineStats, SamplingParams, Sequence, check_request
-from workers.weights import WeightsFile, load_into, read_version
+from workers.weights import WeightsFile, load_into, read_verified
 
 NO_TOP_K = torch.iinfo(torch.long).max  # a rank no token reaches
 DIRECT_FAMILIES = {"llama", "qwen2", "qwen3"}  # pre-norm, rotary, gated MLP, RMSNorm; no sliding window
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # frequencies independent of the sequence length
 CAPACITY_STEP = 64  # slot capacity grows in multiples of this
 PREFILL_SPREAD = 1.5  # a prefill chunk's longest row is at most this times its first: padding stays bounded
-COPY_BYTES = 64 << 20  # DirectForward lays out its own copy of decoder weights up to this size (see there)
+FUSE_BYTES = 64 << 20  # DirectForward lays decoder weights out fused up to this size (see there)
 RUN_BLOCK = 4  # decode rows are cut into attention runs at multiples of this many slots (`decode_runs`)
 SORT_WASTE = 1.6  # decoding slots are sorted again once blocks of them would attend this times their own columns
 
@@ -113,12 +114,12 @@ Linear = tuple[torch.Tensor, torch.Tensor | None]  # weight [out, in] (maybe a t
 
 @dataclass(slots=True)
 class LayerWeights:
-    """One decoder layer's tensors, gathered at refresh: a module attribute lookup per step costs a fair part
+    """One decoder layer's tensors, gathered once: a module attribute lookup per step costs a fair part
     of an op."""
 
     attn_norm: torch.Tensor  # [H]
     qkv: list[Linear]  # one linear to [Hq*D + 2*Hkv*D], or q, k and v
-    qk_norm: torch.Tensor | None  # [Hq + Hkv, D], Qwen3's per-head q and k norm weights side by side
+    qk_norm: tuple[torch.Tensor, torch.Tensor] | None  # [D] each, Qwen3's q and k norm weights
     o: Linear
     mlp_norm: torch.Tensor  # [H]
     gate_up: list[Linear]  # one linear to [2*I], or gate and up
@@ -131,16 +132,17 @@ class DirectForward:
 
     Decode and prefill rows share every dense op (one weight read per layer per step);
     only attention is per kind. A small model's step is mostly per-op overhead, so where
-    the layers' weights fit COPY_BYTES they are copied once into the layout that runs
-    fastest: q/k/v and gate/up fused into one matmul each, every matrix input-major
+    the layers' weights are at most FUSE_BYTES they are moved once into the layout that
+    runs fastest: q/k/v and gate/up fused into one matmul each, every matrix input-major
     (x @ W.T from it is 1.1-1.7x faster on CPU for the demo model's matrices at 1-64
     rows; at 1 row it sums in another order than HF's layout, so logits may differ in
-    the last bits). Copies go stale when the weights change: `refresh()` rebuilds them,
-    the engine calls it after its own weight loads, and a load that bypasses it (an
-    in-place `load_state_dict` on the model) is caught at the next call by the
-    parameters' version counters. Larger models use their parameters as they are.
-    Rotary turns q and k together; its table is the model's own rotary embedding
-    evaluated once per position (hence STATIC_ROPE only).
+    the last bits). The modules' parameters become views into that layout (`fuse`), so
+    every load into the model (the engine's, or an in-place `load_state_dict`) writes
+    straight into what the forward reads: no copy to rebuild, none to go stale. The
+    engine owns the model from then on: converting it (`.to(dtype)`) would cut the views.
+    Larger models use their parameters as they are. Rotary turns q and k together; its
+    table is the model's own rotary embedding evaluated once per position (hence
+    STATIC_ROPE only).
     """
 
     def __init__(self, model):
@@ -149,32 +151,22 @@ class DirectForward:
         self.head_dim, self.scale = attn.head_dim, attn.scaling
         self.heads = attn.q_proj.out_features // self.head_dim, attn.k_proj.out_features // self.head_dim  # Hq, Hkv
         self.eps = self.base.norm.variance_epsilon  # these families make every RMSNorm with the config's eps
-        self.copy = sum(p.numel() * p.element_size() for p in self.base.layers.parameters()) <= COPY_BYTES
+        self.fused = sum(p.numel() * p.element_size() for p in self.base.layers.parameters()) <= FUSE_BYTES
         self.cos = self.sin = None  # [C, 1, D] each, sin signed so that rotate_half(x) * sin = x.roll(D/2) * sin
         self.head_rows = None  # [Hkv], each kv head's first row in a slot's cache flattened to [Hkv*C, D]
-        self.layers: list[LayerWeights] = []
-        self.sources: list[torch.Tensor] = []  # the parameters that were copied...
-        self.versions: list[int] = []  # ...and their version counters then
-        self.refresh()
-
-    def refresh(self) -> None:
-        """Rebuild the weight copies from the modules' current parameters."""
-        with torch.no_grad():  # constants, made outside autograd whatever mode the caller is in
+        with torch.no_grad():
             self.layers = [self.layer_weights(layer) for layer in self.base.layers]
-        params = [p for layer in self.base.layers for p in copied_parameters(layer, self.copy)]
-        self.sources = [p for p in params if not p.is_inference()]  # inference tensors keep no version counter
-        self.versions = [p._version for p in self.sources]
 
     def layer_weights(self, layer) -> LayerWeights:
-        """A decoder layer's tensors: fused input-major copies where `self.copy`, else the parameters themselves."""
-        attn, mlp, (hq, hkv) = layer.self_attn, layer.mlp, self.heads
+        """A decoder layer's tensors: fused input-major ones where `self.fused`, else the parameters as they are."""
+        attn, mlp = layer.self_attn, layer.mlp
 
         def group(*linears: torch.nn.Linear) -> list[Linear]:
-            return [fused_linear(linears)] if self.copy else [(m.weight, m.bias) for m in linears]
+            return [fuse(linears)] if self.fused else [(m.weight, m.bias) for m in linears]
 
         qk_norm = None
         if hasattr(attn, "q_norm"):  # Qwen3 normalises each head's q and k before rotary
-            qk_norm = torch.cat([attn.q_norm.weight.expand(hq, -1), attn.k_norm.weight.expand(hkv, -1)])
+            qk_norm = attn.q_norm.weight, attn.k_norm.weight
         return LayerWeights(
             attn_norm=layer.input_layernorm.weight,
             qkv=group(attn.q_proj, attn.k_proj, attn.v_proj),
@@ -197,8 +189,6 @@ class DirectForward:
 
     def __call__(self, batch: Batch) -> torch.Tensor:
         """Next-token logits [rows, V] of every row of `batch`."""
-        if [p._version for p in self.sources] != self.versions:
-            self.refresh()
         d, (hq, hkv), n = self.head_dim, self.heads, len(batch.ids)
         x = F.embedding(batch.ids, self.base.embed_tokens.weight)  # [N, H]
         cos, sin = self.cos[batch.pos], self.sin[batch.pos]  # [N, 1, D]
@@ -213,7 +203,8 @@ class DirectForward:
             qkv = linear(h, w.qkv).view(n, -1, d)  # [N, Hq+2*Hkv, D]
             qk, v = qkv[:, : hq + hkv], qkv[:, hq + hkv :]  # [N, Hq+Hkv, D], [N, Hkv, D]
             if w.qk_norm is not None:
-                qk = rms_norm(qk, w.qk_norm, self.eps)
+                q_norm, k_norm = w.qk_norm  # [D] each, to q's heads and k's heads side by side: [Hq+Hkv, D]
+                qk = rms_norm(qk, torch.cat([q_norm.expand(hq, -1), k_norm.expand(hkv, -1)]), self.eps)
             qk = qk * cos + qk.roll(d // 2, -1) * sin  # [N, Hq+Hkv, D], rotary
             o = self.attend(batch, i, qk[:, :hq], qk[:, hq:], v, mask, at)  # [N, Hq*D]
             x = x + F.linear(o, *w.o)  # [N, H]
@@ -286,22 +277,22 @@ def block_columns(positions: list[int], block: int = RUN_BLOCK) -> int:
     )
 
 
-def copied_parameters(layer, copy: bool) -> list[torch.Tensor]:
-    """The parameters of a decoder layer that DirectForward.layer_weights copies: all linears' if `copy`."""
-    attn, mlp = layer.self_attn, layer.mlp
-    modules = [attn.q_norm, attn.k_norm] if hasattr(attn, "q_norm") else []
-    if copy:
-        modules += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    return [p for m in modules for p in m.parameters(recurse=False)]
-
-
-def fused_linear(linears: tuple[torch.nn.Linear, ...]) -> Linear:
-    """One linear computing `linears` side by side, its weight stored input-major (a transposed view of [in, out])."""
-    weight = torch.cat([m.weight.t() for m in linears], 1).t()  # [out, in]
-    if all(m.bias is None for m in linears):
-        return weight, None
-    zeros = [torch.zeros(m.out_features, dtype=weight.dtype, device=weight.device) for m in linears]
-    return weight, torch.cat([z if m.bias is None else m.bias for z, m in zip(zeros, linears, strict=True)])
+def fuse(linears: tuple[torch.nn.Linear, ...]) -> Linear:
+    """One linear computing `linears` side by side, its weight stored input-major ([in, out], used transposed),
+    each module's weight and bias re-made as a view into it: a load into a module is a load into the fused one."""
+    weight = torch.cat([m.weight.t() for m in linears], 1)  # [in, out]
+    bias = None
+    if any(m.bias is not None for m in linears):  # a module without one reads zeros there
+        zeros = partial(torch.zeros, dtype=weight.dtype, device=weight.device)
+        bias = torch.cat([zeros(m.out_features) if m.bias is None else m.bias for m in linears])  # [out]
+    start = 0
+    for m in linears:
+        end = start + m.out_features
+        m.weight = torch.nn.Parameter(weight[:, start:end].t(), requires_grad=m.weight.requires_grad)  # [o, in]
+        if m.bias is not None:
+            m.bias = torch.nn.Parameter(bias[start:end], requires_grad=m.bias.requires_grad)  # [o]
+        start = end
+    return weight.t(), bias
 
 
 def linear(x: torch.Tensor, parts: list[Linear]) -> torch.Tensor:
@@ -357,9 +348,6 @@ class HFForward:
     def reserve(self, capacity: int) -> None:
         pass  # positions come from position_ids
 
-    def refresh(self) -> None:
-        pass  # every call reads the modules' parameters
-
     def __call__(self, batch: Batch) -> torch.Tensor:
         """Next-token logits [rows, V] of every row of `batch`."""
         bd, bp, t = batch.decode, batch.prefill, batch.width
@@ -409,7 +397,8 @@ def make_forward(model, forward: str) -> DirectForward | HFForward:
 class Engine:
     """Continuous-batching generator with in-place weight updates: a `RolloutEngine` (workers.rollout.protocol).
 
-    Not thread-safe: call it from one thread (the worker loop).
+    Not thread-safe: call it from one thread (the worker loop). It owns the model it is given: a small
+    Llama-family model's weights are laid out anew (`fuse`), its parameters views into that layout.
     """
 
     def __init__(
@@ -529,8 +518,7 @@ class Engine:
         before they are recomputed once. Each token's logprob is the one it was sampled
         with either way. A missing file raises FileNotFoundError before anything changed.
         """
-        load_into(self.model, read_version(weights.path))  # outside inference mode: parameters stay normal tensors
-        self.forward.refresh()  # the direct forward's fused weights are copies
+        load_into(self.model, read_verified(weights))  # outside inference mode: parameters stay normal tensors
         self.version = weights.version
         self.weight_updates += 1
         stale = [seq for seq in self.slots[: self.decoding] if self.version - self.cached_at[seq.key] > self.cache_lag]

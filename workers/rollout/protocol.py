@@ -89,7 +89,8 @@ class RolloutEngine(Protocol):
         """Stop generating on the current weights; every unfinished sequence, still owned, tokens so far."""
 
     def update_weights(self, weights: WeightsFile) -> None:
-        """Load `weights` (hash checked by the caller), go on with every sequence; FileNotFoundError if gone."""
+        """Load `weights`, go on with every sequence; FileNotFoundError if gone, WeightsError (nothing loaded) if
+        `weights.sha256` is set and the file's bytes hash otherwise."""
 
     def abort(self, key: str) -> Sequence | None:
         """Drop one unfinished sequence, freeing its slot; it as it was, or None for an unknown key."""

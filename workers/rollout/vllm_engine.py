@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workers.rollout.protocol import EngineStats, SamplingParams, Sequence, check_request
-from workers.weights import WeightsFile
+from workers.weights import WeightsFile, verify
 
 POLL_S = 0.05  # how long step() waits for vLLM's next output before handing control back
 INSTALL_HINT = (
@@ -186,6 +186,8 @@ class VLLMEngine:
         try:
             if not Path(weights.path).is_file():
                 raise FileNotFoundError(f"weights v{weights.version}: {weights.path} does not exist")
+            if weights.sha256 is not None:  # vLLM reads the file itself: checked here, then read again there
+                verify(weights.path, weights.sha256, weights.version)
             self._hold()
             self._run(self.llm.collective_rpc("load_safetensors", args=(str(weights.path),)))
             self._run(self.llm.reset_prefix_cache())  # cached blocks hold keys/values of the old weights

@@ -18,6 +18,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 
 import torch
 from opentelemetry.context import Context
@@ -37,7 +38,7 @@ from workers.rollout.engine import Engine
 from workers.rollout.protocol import RolloutEngine, SamplingParams, Sequence
 from workers.rollout.workflow import Conversation, call_token_of, is_call, load_workflow
 from workers.vocab import outside_vocab
-from workers.weights import WeightsError, verify
+from workers.weights import WeightsError, WeightsFile
 
 METRICS_PERIOD_S = 1.0
 
@@ -203,19 +204,16 @@ class Rollout:
         self.generated_tokens += len(tokens)
 
     async def load(self, announced: WeightVersion) -> bool:
-        """Verify the announced file, interrupt (emit partial segments), load it; False if refused.
+        """Interrupt, load the announced file (the engine checks its sha256), emit the partial segments; False
+        if refused.
 
         A missing or corrupted file, or one that does not load into the model (`load_into` copies nothing
-        then), goes to `dead-letter` and the engine keeps its weights.
+        then), goes to `dead-letter`; the engine keeps its weights and its sequences go on as they were.
         """
         started = time.perf_counter()
+        weights = WeightsFile(Path(announced.uri), announced.version, announced.content_hash)
         try:
-            weights = await asyncio.to_thread(verify, announced.uri, announced.content_hash, announced.version)
-            for seq in self.engine.interrupt():
-                flight = self.groups[prompt_id_of(seq.key)]
-                if len(flight.conversations[seq.key].with_turn(seq)[0]) > flight.tokens_sent.get(seq.key, 0):
-                    await self.emit(seq, "interrupted")
-                    self.interrupted += 1
+            interrupted = self.engine.interrupt()
             await asyncio.to_thread(self.engine.update_weights, weights)
         except (WeightsError, OSError, ValueError, RuntimeError, SafetensorError) as error:  # unloadable
             self.refused_version = announced.version
@@ -231,6 +229,11 @@ class Rollout:
                 )
             )
             return False
+        for seq in interrupted:
+            flight = self.groups[prompt_id_of(seq.key)]
+            if len(flight.conversations[seq.key].with_turn(seq)[0]) > flight.tokens_sent.get(seq.key, 0):
+                await self.emit(seq, "interrupted")
+                self.interrupted += 1
         seconds = time.perf_counter() - started
         self.load_seconds, self.loads = self.load_seconds + seconds, self.loads + 1
         self.ctx.log.info("weights loaded", version=announced.version, seconds=round(seconds, 4))
