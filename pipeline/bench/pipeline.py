@@ -79,6 +79,7 @@ def window_rates(lines: list[dict], warmup_steps: int) -> dict:
         "trained_tokens": last["trained_tokens"],
         "step_breakdown": step_breakdown(measured),
         **weights_costs(measured, rollout),
+        **engine_use(rollout),
         "window": (first["time"], last["time"]),
     }
 
@@ -95,13 +96,27 @@ def worker_changes(rollout: list[dict], field: str) -> list[tuple[float, float]]
 
 def weights_costs(steps: list[dict], rollout: list[dict]) -> dict[str, float | None]:
     """Milliseconds per weight version: the trainer's write and hash of its file (off the step's path, on a
-    core all the same) and the rollout worker's verify, interruption and load (None without those fields)."""
+    core all the same) and the rollout worker's interruption, read, hash and load (None without those fields)."""
     writes = [l["write_seconds"] for l in steps if l.get("write_seconds")]
     loaded = sum(count for count, _ in worker_changes(rollout, "weight_loads"))
     load_seconds = sum(seconds for seconds, _ in worker_changes(rollout, "weights_load_seconds"))
     return {
         "write_ms_per_version": round(1000 * sum(writes) / len(writes), 2) if writes else None,
         "load_ms_per_version": round(1000 * load_seconds / loaded, 2) if loaded else None,
+    }
+
+
+def engine_use(rollout: list[dict]) -> dict[str, float | None]:
+    """What the rollout workers' engines did: rows per step (the batch a forward ran: few rows cost more per
+    token), the share of the workers' time spent in engine steps, and engine milliseconds per token."""
+    steps = sum(count for count, _ in worker_changes(rollout, "engine_steps"))
+    tokens = sum(count for count, _ in worker_changes(rollout, "engine_tokens"))
+    busy = worker_changes(rollout, "engine_seconds")
+    seconds, wall = sum(spent for spent, _ in busy), sum(window for _, window in busy)
+    return {
+        "engine_rows_per_step": round(tokens / steps, 1) if steps else None,
+        "engine_busy": round(seconds / wall, 3) if wall else None,
+        "engine_ms_per_token": round(1000 * seconds / tokens, 3) if tokens else None,
     }
 
 
@@ -291,9 +306,12 @@ def table(report: dict) -> str:
     lines.append("trainer step breakdown, mean seconds per step:")
     for name, r in report["runs"].items():
         lines.append(f"  {name}: " + ", ".join(f"{phase} {s:.3f}" for phase, s in r["step_breakdown"].items()))
-    lines.append("weights per version, ms: trainer write + hash | rollout verify + interrupt + load")
+    lines.append("weights per version, ms: trainer write + hash | rollout interrupt + read, hash and load")
     for name, r in report["runs"].items():
         lines.append(f"  {name}: {r['write_ms_per_version']} | {r['load_ms_per_version']}")
+    lines.append("rollout engines: rows per step | share of the workers' time in steps | ms per token")
+    for name, r in report["runs"].items():
+        lines.append(f"  {name}: {r['engine_rows_per_step']} | {r['engine_busy']} | {r['engine_ms_per_token']}")
     lines.append(f"async/sync effective training throughput: {report['async_over_sync']:.2f}x")
     lines.append(
         f"interruption on/off generation throughput: {report['interrupt_on_over_off']}x "

@@ -45,6 +45,12 @@ def test_window_rates_after_warm_up():
         {"source": "rollout", "time": 1.0, "generated_tokens": 50, "weight_loads": 1, "weights_load_seconds": 0.1},
         {"source": "rollout", "time": 3.0, "generated_tokens": 450, "weight_loads": 5, "weights_load_seconds": 0.14},
     ]
+    engine = (
+        {"engine_steps": 10, "engine_tokens": 100, "engine_seconds": 0.2},
+        {"engine_steps": 30, "engine_tokens": 900, "engine_seconds": 1.0},
+    )
+    lines[-2].update(engine[0])
+    lines[-1].update(engine[1])
     rates = window_rates(lines, warmup_steps=2)  # from step 2 (t=1) to step 4 (t=3): steps 3 and 4
     assert rates["steps_measured"] == 2 and rates["seconds"] == 2.0
     assert rates["trained_tokens_per_s"] == 100.0 and rates["steps_per_s"] == 1.0
@@ -54,6 +60,8 @@ def test_window_rates_after_warm_up():
     assert rates["step_breakdown"] == {"checkpoint": 0.5, "train": 0.25}  # means over steps 3 and 4
     assert rates["write_ms_per_version"] == 3.5  # steps 3 and 4 wrote in 3 and 4 ms
     assert rates["load_ms_per_version"] == 10.0  # 4 versions loaded in 40 ms over the window
+    assert rates["engine_rows_per_step"] == 40.0  # 800 tokens in 20 steps
+    assert rates["engine_busy"] == 0.4 and rates["engine_ms_per_token"] == 1.0  # 0.8 s of 2, for 800 tokens
 
 
 def test_each_rollout_workers_counters_are_its_own():
@@ -89,6 +97,7 @@ def test_runs_without_weights_timings_report_none():
         del line["write_seconds"]
     rates = window_rates(lines, warmup_steps=1)
     assert rates["write_ms_per_version"] is None and rates["load_ms_per_version"] is None
+    assert rates["engine_rows_per_step"] is None and rates["engine_busy"] is None
 
 
 def args_for(*argv: str) -> argparse.Namespace:
@@ -219,6 +228,9 @@ def test_the_table_names_the_task_and_the_cores_given_and_used():
         "step_breakdown": {"wait": 0.01, "train": 0.3812},
         "write_ms_per_version": 11.4,
         "load_ms_per_version": 9.87,
+        "engine_rows_per_step": 41.5,
+        "engine_busy": 0.82,
+        "engine_ms_per_token": 0.25,
     }
     settings = {"task": "chain", "steps": 60, "batch_groups": 8, "n_samples": 8, "max_new_tokens": 288}
     report = {
@@ -249,8 +261,10 @@ def test_the_table_names_the_task_and_the_cores_given_and_used():
     assert lines[6:] == [
         "trainer step breakdown, mean seconds per step:",
         "  async: wait 0.010, train 0.381",
-        "weights per version, ms: trainer write + hash | rollout verify + interrupt + load",
+        "weights per version, ms: trainer write + hash | rollout interrupt + read, hash and load",
         "  async: 11.4 | 9.87",
+        "rollout engines: rows per step | share of the workers' time in steps | ms per token",
+        "  async: 41.5 | 0.82 | 0.25",
         "async/sync effective training throughput: 2.28x",
         "interruption on/off generation throughput: 0.98x (training throughput 0.98x)",
     ]

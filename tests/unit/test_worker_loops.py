@@ -234,6 +234,7 @@ async def test_rollout_loop_a_new_version_interrupts_and_the_group_commits_when_
     tmp_path, model_dir, monkeypatch
 ):
     config, gated = rollout_setup(tmp_path, model_dir, monkeypatch, gate_at=4)
+    monkeypatch.setattr(rollout_worker, "METRICS_PERIOD_S", 0.0)  # a metrics line after every step
     transport = MemoryTransport(TopicLayout())
     prompts = transport.layout.name("prompts")
     segments = lambda: transport.broker.messages("segments", Segment)  # noqa: E731
@@ -251,6 +252,10 @@ async def test_rollout_loop_a_new_version_interrupts_and_the_group_commits_when_
         assert parts[0].group == group and parts[1].group is None and parts[1].segment_index == 1
     assert gated[0].engine.version == 1
     assert transport.broker.committed[("rollout", prompts)] == {0: 1}  # all trajectories out: committed
+    lines = [json.loads(line) for line in (runtime.run_dir(config) / "metrics.jsonl").read_text().splitlines()]
+    last = [line for line in lines if line["source"] == "rollout"][-1]
+    assert last["engine_steps"] == gated[0].steps  # every step the worker ran, the paused one included
+    assert last["engine_tokens"] == gated[0].engine.stats().generated_tokens > 0 and last["engine_seconds"] > 0
 
 
 class ThreadRecorder:

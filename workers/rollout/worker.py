@@ -110,6 +110,8 @@ class Rollout:
         self.generated_tokens = 0  # every token emitted, interrupted runs included
         self.load_seconds = 0.0  # spent verifying and loading weight versions, and how many loaded
         self.loads = 0
+        self.engine_seconds = 0.0  # spent in the engine's steps, and how many ran
+        self.engine_steps = 0
         self.refused_version = -1  # the newest announced version whose file failed verification
         self.answering: set[asyncio.Task] = set()  # calls being answered, out of the engine meanwhile
         self.answered: list[tuple[str, Conversation]] = []  # their next turns, submitted by the next `step`
@@ -251,13 +253,14 @@ class Rollout:
         """
         ended = [await self.next_turn(key, conversation) for key, conversation in self.answered]
         self.answered = []
-        if self.engine.idle():
-            finished = []
-        elif self.prefills_next():
-            finished = await asyncio.to_thread(self.engine.step)
-        else:
-            finished = self.engine.step()
-            await asyncio.sleep(0)  # the consumer's heartbeats and the producer's sends run between steps
+        finished = []
+        if not self.engine.idle():
+            started, threaded = time.perf_counter(), self.prefills_next()
+            finished = await asyncio.to_thread(self.engine.step) if threaded else self.engine.step()
+            self.engine_seconds += time.perf_counter() - started
+            self.engine_steps += 1
+            if not threaded:
+                await asyncio.sleep(0)  # the consumer's heartbeats and the producer's sends run between steps
         for seq in finished:
             conversation = self.groups[prompt_id_of(seq.key)].conversations[seq.key]
             if is_call(seq, self.call_token) and conversation.calls < self.workflow.max_calls:
@@ -341,6 +344,9 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
                     interrupted_segments=rollout.interrupted,
                     weight_loads=rollout.loads,
                     weights_load_seconds=round(rollout.load_seconds, 4),
+                    engine_steps=rollout.engine_steps,
+                    engine_tokens=rollout.engine.stats().generated_tokens,
+                    engine_seconds=round(rollout.engine_seconds, 4),
                 )
                 last_report = time.monotonic()
         if cores is not None:
