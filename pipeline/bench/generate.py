@@ -184,9 +184,8 @@ def step_costs(model, prompts: list[list[int]], lengths: list[int], s: Settings)
         path, digest = write_version(unique_state_dict(model), Path(tmp), engine.version + 1, keep=1)
         weights = WeightsFile(path, engine.version + 1, digest)
 
-        def update() -> (
-            None
-        ):  # timed: interrupt(), reading and hashing the file, loading it in place, the re-prefill step
+        def update() -> None:
+            """Timed: interrupt(), reading and hashing the file, loading it in place, the re-prefill step."""
             engine.interrupt()
             engine.update_weights(weights)
             engine.step()
