@@ -206,17 +206,25 @@ class Rollout:
         self.generated_tokens += len(tokens)
 
     async def load(self, announced: WeightVersion) -> bool:
-        """Interrupt, load the announced file (the engine checks its sha256), emit the partial segments; False
-        if refused.
+        """Interrupt, load the announced file (the engine checks its sha256) in a thread while the partial
+        segments go out (the two overlap: emitting them after the load cost arith ~6 % of its steps per second
+        in four paired runs); False if refused.
 
         A missing or corrupted file, or one that does not load into the model (`load_into` copies nothing
-        then), goes to `dead-letter`; the engine keeps its weights and its sequences go on as they were.
+        then), goes to `dead-letter`; the engine keeps its weights and its sequences go on (their partial
+        segments out already: a later segment carries on from them).
         """
         started = time.perf_counter()
         weights = WeightsFile(Path(announced.uri), announced.version, announced.content_hash)
+        interrupted = self.engine.interrupt()
+        loading = asyncio.ensure_future(asyncio.to_thread(self.engine.update_weights, weights))
+        for seq in interrupted:  # the load leaves the sequences' tokens as they are
+            flight = self.groups[prompt_id_of(seq.key)]
+            if len(flight.conversations[seq.key].with_turn(seq)[0]) > flight.tokens_sent.get(seq.key, 0):
+                await self.emit(seq, "interrupted")
+                self.interrupted += 1
         try:
-            interrupted = self.engine.interrupt()
-            await asyncio.to_thread(self.engine.update_weights, weights)
+            await loading
         except (WeightsError, OSError, ValueError, RuntimeError, SafetensorError) as error:  # unloadable
             self.refused_version = announced.version
             self.ctx.log.warning(
@@ -231,11 +239,6 @@ class Rollout:
                 )
             )
             return False
-        for seq in interrupted:
-            flight = self.groups[prompt_id_of(seq.key)]
-            if len(flight.conversations[seq.key].with_turn(seq)[0]) > flight.tokens_sent.get(seq.key, 0):
-                await self.emit(seq, "interrupted")
-                self.interrupted += 1
         seconds = time.perf_counter() - started
         self.load_seconds, self.loads = self.load_seconds + seconds, self.loads + 1
         self.ctx.log.info("weights loaded", version=announced.version, seconds=round(seconds, 4))
