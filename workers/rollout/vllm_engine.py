@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workers.rollout.protocol import EngineStats, SamplingParams, Sequence, check_request
-from workers.weights import WeightsFile, verify
+from workers.weights import WeightsFile, missing, verify
 
 POLL_S = 0.05  # how long step() waits for vLLM's next output before handing control back
 INSTALL_HINT = (
@@ -185,7 +185,7 @@ class VLLMEngine:
         """
         try:
             if not Path(weights.path).is_file():
-                raise FileNotFoundError(f"weights v{weights.version}: {weights.path} does not exist")
+                raise FileNotFoundError(missing(weights.path, weights.version))
             if weights.sha256 is not None:  # vLLM reads the file itself: checked here, then read again there
                 verify(weights.path, weights.sha256, weights.version)
             self._hold()
