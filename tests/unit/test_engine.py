@@ -365,30 +365,41 @@ def test_direct_forward_unfused_matches_hf_generate(model, monkeypatch):
         assert seq.token_ids == hf_greedy(model, prompt, GREEDY.max_new_tokens)
 
 
-def test_re_prefill_is_chunked_by_length_and_changes_nothing(model, monkeypatch, tmp_path):
-    """After an interruption, contexts of 3 to 40 tokens are re-prefilled in chunks of similar widths
-    (padding each to the longest would cost several times the real tokens), with the same tokens."""
+def test_prefill_cut_bounds_each_chunks_padding():
+    """Contexts to prefill, longest first, are cut where the chunk's first would be over PREFILL_SPREAD times a row."""
+    assert engine_module.prefill_cut([]) == []
+    assert engine_module.prefill_cut([41, 21, 13, 5, 4]) == [(0, 1), (1, 2), (2, 3), (3, 5)]
+    assert engine_module.prefill_cut([6, 5, 4]) == [(0, 3)]  # 6 is 1.5 times 4: still one chunk
+    assert engine_module.prefill_cut([7, 5, 4]) == [(0, 2), (2, 3)]
+
+
+def test_re_prefill_is_one_packed_forward_chunked_by_length_and_changes_nothing(model, forward, monkeypatch, tmp_path):
+    """After an interruption, contexts of 4 to 41 tokens are re-prefilled in one forward over their tokens alone,
+    attending in chunks of similar lengths (padding each to the longest would cost several times the real
+    tokens); a token budget splits them over forwards. The tokens are the same every way."""
     prompts = [[1, 2, 3], [4, 5, 6, 7], [2] * 12, [3] * 20, [5] * 40]
     new_weights = as_version(perturbed(model), tmp_path, 1)
 
-    def run(spread: float) -> tuple[list[int], list[list[int]]]:
+    def run(spread: float, budget: int = 16384) -> tuple[list[tuple[list[int], int]], list[list[int]]]:
         monkeypatch.setattr(engine_module, "PREFILL_SPREAD", spread)
-        engine = Engine(tiny_model(0))
+        engine = Engine(tiny_model(0), forward=forward, max_prefill_tokens=budget)
         for i, prompt in enumerate(prompts):
             engine.submit(f"s{i}", prompt, GREEDY)
         engine.step()
         engine.update_weights(new_weights)
-        widths, forward = [], engine.forward
-        engine.forward = lambda batch: widths.append(batch.width) or forward(batch)
+        calls, inner = [], engine.forward  # per forward: its chunks' widths, its tokens
+        engine.forward = lambda batch: calls.append(([c.width for c in batch.chunks], len(batch.ids))) or inner(batch)
         for _ in range(3):
             engine.step()
-        return widths, [s.token_ids for s in engine.slots]
+        return calls, [s.token_ids for s in engine.slots]
 
-    chunked_widths, chunked = run(1.5)
-    one_widths, one = run(float("inf"))
-    assert chunked_widths[:4] == [41, 21, 13, 5]  # longest first; 5 and 4 tokens together, the others alone
-    assert one_widths[0] == 41  # every context padded to the longest
-    assert chunked == one
+    chunked_calls, chunked = run(1.5)
+    one_calls, one = run(float("inf"))
+    split_calls, split = run(1.5, budget=41 + 21)
+    assert chunked_calls[0] == ([41, 21, 13, 5], 84)  # longest first; 5 and 4 tokens together, the others alone
+    assert one_calls[0] == ([41], 84)  # every context padded to the longest in attention only
+    assert split_calls[:2] == [([41, 21], 62), ([13, 5], 22)]
+    assert chunked == one == split
 
 
 def test_a_context_to_prefill_twice_is_computed_once(model, forward, tmp_path):

@@ -11,7 +11,8 @@ the newest (positions 0..len-2). A step admits waiting requests into the free sl
 after the running ones, then runs ONE forward over the weights: every running slot
 feeds its newest token, written at that slot's own position and attending over
 `kv[..., :span, :]` (a view up to the longest context of its run of slots, masked per
-row), while the newcomers are prefilled from position 0 as right-padded rows of the same pass.
+row), while the newcomers' whole contexts are prefilled from position 0 in the same pass,
+packed (`Batch`).
 It then samples one token per slot and retires finished sequences at once: the last
 slot's sequence moves into the hole (one slot's cache copied), so no cache tensor is
 concatenated, re-padded or re-sliced per step. A weight update loads in place and
@@ -79,19 +80,31 @@ NO_TOP_K = torch.iinfo(torch.long).max  # a rank no token reaches
 DIRECT_FAMILIES = {"llama", "qwen2", "qwen3"}  # pre-norm, rotary, gated MLP, RMSNorm; no sliding window
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # frequencies independent of the sequence length
 CAPACITY_STEP = 64  # slot capacity grows in multiples of this
-PREFILL_SPREAD = 1.5  # a prefill chunk's longest row is at most this times its first: padding stays bounded
+PREFILL_SPREAD = 1.5  # a prefill chunk's longest row is at most this times its shortest (`prefill_cut`)
 FUSE_BYTES = 64 << 20  # DirectForward lays decoder weights out fused up to this size (see there)
 RUN_BLOCK = 4  # decode rows are cut into attention runs at multiples of this many slots (`decode_runs`)
 SORT_WASTE = 1.6  # decoding slots are sorted again once blocks of them would attend this times their own columns
 
 
 @dataclass
+class Chunk:
+    """Prefill rows that attend in one call: their contexts, packed in the batch's tokens, laid out right-padded to
+    `width` (a padded position repeats its row's last token; it writes cache columns past the row's end, which the
+    row's own later tokens overwrite before anything attends them, and its output is dropped)."""
+
+    slots: slice  # the chunk's rows among the batch's slots
+    width: int  # its longest context
+    tokens: slice | torch.Tensor  # [rows*width], the batch token at each padded position
+    valid: torch.Tensor | None  # [its tokens], their padded positions, in token order; None where none is padded
+
+
+@dataclass
 class Batch:
     """One forward's rows: `decode` slots feeding their newest token, then slots prefilled from position 0.
 
-    Tokens are flat: decode row i is token i; prefill row r is tokens decode + r*width ..
-    + (r+1)*width - 1, right-padded (padding writes cache columns past the row's end,
-    which its own later tokens overwrite before anything attends them).
+    Tokens are flat and packed: decode row i is token i; the prefill rows' whole contexts follow, one after
+    the other, unpadded. Dense ops see only real tokens; prefill attention runs per `Chunk` of rows of
+    similar lengths, padded there only.
     """
 
     kv: torch.Tensor  # [2, layers, rows, Hkv, C, D], the slots of these rows, in row order
@@ -100,7 +113,7 @@ class Batch:
     out: torch.Tensor  # [rows], the token whose next-token logits each row returns
     decode: int  # decode rows (one token each)
     prefill: int  # prefill rows
-    width: int  # tokens per prefill row
+    chunks: list[Chunk]  # the prefill rows, cut for attention
     span: int  # cache columns the decode rows attend: their longest context
     runs: list[tuple[int, int, int]]  # (first, end, span): decode rows first..end-1 attend `span` columns
 
@@ -221,7 +234,7 @@ class DirectForward:
         attend the cache up to `span` under `mask` ([Bd, 1, 1, span], additive); prefill rows attend
         their own tokens, causally.
         """
-        d, bd, bp, t, hkv = self.head_dim, batch.decode, batch.prefill, batch.width, self.heads[1]
+        d, bd, hkv = self.head_dim, batch.decode, self.heads[1]
         parts = []
         if bd:
             keys, values = batch.kv[0, i, :bd], batch.kv[1, i, :bd]  # [Bd, Hkv, C, D]
@@ -237,14 +250,16 @@ class DirectForward:
                     scale=self.scale,
                 )
                 parts.append(o.reshape(end - first, -1))  # [r, Hq*D]
-        if bp:
-            qp = q[bd:].view(bp, t, -1, d).transpose(1, 2)  # [b, Hq, T, D]
-            kp = k[bd:].view(bp, t, hkv, d).transpose(1, 2)  # [b, Hkv, T, D]
-            vp = v[bd:].view(bp, t, hkv, d).transpose(1, 2)  # [b, Hkv, T, D]
-            batch.kv[0, i, bd:, :, :t] = kp
-            batch.kv[1, i, bd:, :, :t] = vp
+        for c in batch.chunks:
+            b, t = c.slots.stop - c.slots.start, c.width
+            qp = q[c.tokens].view(b, t, -1, d).transpose(1, 2)  # [b, Hq, T, D]
+            kp = k[c.tokens].view(b, t, hkv, d).transpose(1, 2)  # [b, Hkv, T, D]
+            vp = v[c.tokens].view(b, t, hkv, d).transpose(1, 2)  # [b, Hkv, T, D]
+            batch.kv[0, i, c.slots, :, :t] = kp
+            batch.kv[1, i, c.slots, :, :t] = vp
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=True)
-            parts.append(o.transpose(1, 2).reshape(bp * t, -1))  # [b*T, Hq*D]
+            o = o.transpose(1, 2).reshape(b * t, -1)  # [b*T, Hq*D]
+            parts.append(o if c.valid is None else o[c.valid])  # [its tokens, Hq*D]
         return parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, Hq*D]
 
 
@@ -275,6 +290,17 @@ def block_columns(positions: list[int], block: int = RUN_BLOCK) -> int:
     return sum(
         len(rows) * (max(rows) + 1) for rows in (positions[b : b + block] for b in range(0, len(positions), block))
     )
+
+
+def prefill_cut(lengths: list[int]) -> list[tuple[int, int]]:
+    """Rows to prefill (their context lengths, longest first) cut into attention chunks [(first, end)] whose first
+    (longest) row is at most PREFILL_SPREAD times each of theirs: padding each to its chunk's first stays bounded."""
+    cut, first = [], 0
+    for i, n in enumerate(lengths):
+        if lengths[first] > PREFILL_SPREAD * n:
+            cut.append((first, i))
+            first = i
+    return [*cut, (first, len(lengths))] if lengths else []
 
 
 def fuse(linears: tuple[torch.nn.Linear, ...]) -> Linear:
@@ -335,7 +361,7 @@ class SlotCache(Cache):
 class HFForward:
     """Any full-attention HF causal LM, through its own forward with a SlotCache and a 4D mask.
 
-    Decode and prefill rows go through separate model calls (their widths differ).
+    Decode rows and each prefill chunk go through separate model calls (their widths differ).
     """
 
     def __init__(self, model):
@@ -350,14 +376,17 @@ class HFForward:
 
     def __call__(self, batch: Batch) -> torch.Tensor:
         """Next-token logits [rows, V] of every row of `batch`."""
-        bd, bp, t = batch.decode, batch.prefill, batch.width
-        hidden = []  # [rows, H] per kind
+        bd = batch.decode
+        hidden = []  # [tokens, H] per call, in token order
         if bd:
             hidden.append(self.run(batch.kv[:, :, :bd], batch.ids[:bd, None], batch.pos[:bd, None], batch.span)[:, 0])
-        if bp:
-            out = self.run(batch.kv[:, :, bd:], batch.ids[bd:].view(bp, t), batch.pos[bd:].view(bp, t), t)  # [b, T, H]
-            hidden.append(out.reshape(bp * t, -1)[batch.out[bd:] - bd])
-        return self.head(torch.cat(hidden)).float()  # [rows, V]
+        for c in batch.chunks:
+            b, t = c.slots.stop - c.slots.start, c.width
+            pos = torch.arange(t, device=batch.pos.device).expand(b, t)  # [b, T], padding past each row's end
+            out = self.run(batch.kv[:, :, c.slots], batch.ids[c.tokens].view(b, t), pos, t)  # [b, T, H]
+            out = out.reshape(b * t, -1)  # [b*T, H]
+            hidden.append(out if c.valid is None else out[c.valid])
+        return self.head(torch.cat(hidden)[batch.out]).float()  # [rows, V]
 
     def run(self, kv: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, span: int) -> torch.Tensor:
         """Hidden states [b, T, H] of ids [b, T] at positions pos [b, T], cached in kv [2, layers, b, Hkv, C, D]."""
@@ -638,24 +667,22 @@ class Engine:
         """Decode slots 0..decoding-1, prefill the ones up to the followers (whole context); next-token logits
         [B, V], a follower's its leader's.
 
-        The decode rows ride with the first prefill chunk; further chunks, each under
-        max_prefill_tokens padded tokens and PREFILL_SPREAD in width, get their own
-        forward (after an interruption every slot is re-prefilled, and padding them all
-        to the longest one would cost several times the real tokens). A context to prefill
-        that another slot prefills too (a group's samples of one prompt, or the same answer
-        so far) is not computed again: its slot follows that one (`_share_contexts`).
+        The decode rows and every context to prefill go through one forward, packed (no padding in the dense
+        ops; attention per chunk of similar lengths, `prefill_cut`), unless their padded tokens exceed
+        max_prefill_tokens: then the contexts are split over several forwards, the decode rows riding with the
+        first. A context to prefill that another slot prefills too (a group's samples of one prompt, or the same
+        answer so far) is not computed again: its slot follows that one (`_share_contexts`).
         """
         self._sort_decoding()
         self._share_contexts()
         computed = len(self.slots) - len(self.leads)
+        lengths = [len(seq) for seq in self.slots[self.decoding : computed]]
+        padded = [lengths[first] for first, end in prefill_cut(lengths) for _ in range(first, end)]  # per row
         logits, start = [], self.decoding
         while start < computed or not logits:
-            end = start  # grow the chunk while its padded size fits the budget (lengths descend)
-            while (
-                end < computed
-                and (end + 1 - start) * len(self.slots[start]) <= self.max_prefill_tokens
-                and len(self.slots[start]) <= PREFILL_SPREAD * len(self.slots[end])
-            ):
+            end, tokens = start, 0  # grow the forward while its padded tokens fit the budget
+            while end < computed and tokens + padded[end - self.decoding] <= self.max_prefill_tokens:
+                tokens += padded[end - self.decoding]
                 end += 1
             end = max(end, min(start + 1, computed))  # a context longer than the budget goes alone
             decode = self.decoding if not logits else 0
@@ -745,14 +772,13 @@ class Engine:
     def _batch(self, first: int, prefill: int, end: int) -> Batch:
         """Slots first..prefill-1 decode their newest token; slots prefill..end-1 feed their whole context."""
         decode, news = self.slots[first:prefill], self.slots[prefill:end]
-        width = len(news[0]) if news else 0
         ids = [s.token_ids[-1] for s in decode]
         pos = [len(s) - 1 for s in decode]
         out = list(range(len(decode)))
-        for r, seq in enumerate(news):
-            ids += seq.prompt_ids + seq.token_ids + [0] * (width - len(seq))
-            out.append(len(decode) + r * width + len(seq) - 1)
-        pos += list(range(width)) * len(news)
+        for seq in news:
+            ids += seq.prompt_ids + seq.token_ids
+            pos += range(len(seq))
+            out.append(len(ids) - 1)
         return Batch(
             kv=self.kv[:, :, first:end],
             ids=torch.tensor(ids, device=self.device),
@@ -760,10 +786,26 @@ class Engine:
             out=torch.tensor(out, device=self.device),
             decode=len(decode),
             prefill=len(news),
-            width=width,
+            chunks=self._chunks([len(seq) for seq in news], len(decode)),
             span=max(pos[: len(decode)], default=-1) + 1,
             runs=decode_runs(pos[: len(decode)]),
         )
+
+    def _chunks(self, lengths: list[int], decode: int) -> list[Chunk]:
+        """The prefill rows (their context lengths, longest first), packed after `decode` one-token rows, as
+        attention chunks."""
+        chunks, token = [], decode  # the chunk's first token in the batch
+        for first, end in prefill_cut(lengths):
+            rows, width = lengths[first:end], lengths[first]
+            tokens, valid = slice(token, token + width * len(rows)), None
+            if any(n < width for n in rows):
+                starts = [token + sum(rows[:r]) for r in range(len(rows))]
+                tokens = [start + min(j, n - 1) for start, n in zip(starts, rows, strict=True) for j in range(width)]
+                valid = [r * width + j for r, n in enumerate(rows) for j in range(n)]
+                tokens, valid = torch.tensor(tokens, device=self.device), torch.tensor(valid, device=self.device)
+            chunks.append(Chunk(slice(decode + first, decode + end), width, tokens, valid))
+            token += sum(rows)
+        return chunks
 
     def _sampling_tensors(self) -> None:
         """Per-slot sampling settings as device tensors, rebuilt only when the slots change."""
