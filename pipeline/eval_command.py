@@ -149,18 +149,18 @@ def announced_hash(run_dir: Path, version: int) -> str | None:
 
 
 def read_checked(target: Target, run_dir: Path) -> dict:
-    """The tensors of the target's version, once the file is whole; WeightsError saying why not."""
-    from safetensors import safe_open
+    """The tensors of the target's version from one read of its file: the bytes the trainer announced (where the
+    run's topics export says which), whole, and of that version; WeightsError saying why not."""
+    import safetensors.torch
 
-    from workers.weights import read_version, verify
+    from workers.weights import WeightsFile, file_metadata, verified_bytes
 
-    expected = announced_hash(run_dir, target.version)
-    if expected is not None:
-        verify(target.weights, expected, target.version)
     try:
-        with safe_open(str(target.weights), "pt") as handle:
-            recorded = (handle.metadata() or {}).get("version")
-        tensors = read_version(target.weights)
+        data = verified_bytes(WeightsFile(target.weights, target.version, announced_hash(run_dir, target.version)))
+    except FileNotFoundError as exc:
+        raise WeightsError(str(exc)) from None
+    try:
+        tensors, recorded = safetensors.torch.load(data), file_metadata(data).get("version")
     except Exception as exc:  # safetensors' own error type for a torn header or body
         raise WeightsError(
             f"weights v{target.version}: {target.weights} is unreadable ({type(exc).__name__}: {exc}); "

@@ -132,13 +132,24 @@ def read_verified(weights: WeightsFile) -> dict[str, torch.Tensor]:
     """The tensors of a version, from one read of its file: the bytes hashed against `weights.sha256` (if set)
     are the bytes loaded, so a file replaced between a check and a load is never loaded unchecked.
     FileNotFoundError once the file is gone, WeightsError if the bytes are not the announced ones."""
+    return safetensors.torch.load(verified_bytes(weights))
+
+
+def verified_bytes(weights: WeightsFile) -> bytes:
+    """A version's file, read once and checked against `weights.sha256` (if set); errors as `read_verified`."""
     try:
         data = Path(weights.path).read_bytes()
     except FileNotFoundError:
         raise FileNotFoundError(missing(weights.path, weights.version)) from None
     if weights.sha256 is not None:
         check_hash(weights.path, weights.version, hashlib.sha256(data).hexdigest(), weights.sha256)
-    return safetensors.torch.load(data)
+    return data
+
+
+def file_metadata(data: bytes) -> dict[str, str]:
+    """The string metadata in a safetensors file's header (a little-endian u64 length, then JSON)."""
+    (size,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + size]).get("__metadata__") or {}
 
 
 def missing(path: Path, version: int) -> str:
