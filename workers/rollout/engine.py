@@ -67,6 +67,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -799,7 +800,7 @@ class Engine:
             rows, width = lengths[first:end], lengths[first]
             tokens, valid = slice(token, token + width * len(rows)), None
             if any(n < width for n in rows):
-                starts = [token + sum(rows[:r]) for r in range(len(rows))]
+                starts = accumulate(rows[:-1], initial=token)  # each row's first token
                 tokens = [start + min(j, n - 1) for start, n in zip(starts, rows, strict=True) for j in range(width)]
                 valid = [r * width + j for r, n in enumerate(rows) for j in range(n)]
                 tokens, valid = torch.tensor(tokens, device=self.device), torch.tensor(valid, device=self.device)
