@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -473,3 +474,43 @@ async def test_trainer_loop_dead_letters_what_it_cannot_train_and_trains_the_res
     assert all(expected in reasons[encode(record)] for expected, record in poison.items()), reasons
     [step] = [json.loads(line) for line in (runtime.run_dir(config) / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(v) for v in step.values() if isinstance(v, float)), step
+
+
+class SlowLoad:
+    """The real engine, its weight load taking a while on the loader's thread, noting when that load returned."""
+
+    def __init__(self, engine):
+        self.engine, self.loaded = engine, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def update_weights(self, weights):
+        time.sleep(0.5)
+        self.engine.update_weights(weights)
+        self.loaded.set()
+
+
+async def test_rollout_loop_that_fails_to_emit_during_a_load_ends_after_the_load(tmp_path, model_dir, monkeypatch):
+    """An interrupted segment that cannot be sent ends the worker with that error, but only once the weight load
+    running meanwhile on another thread has returned: no thread is left writing into the model."""
+    config, gated = rollout_setup(tmp_path, model_dir, monkeypatch, 4, SlowLoad)
+    real_emit = rollout_worker.Rollout.emit
+
+    async def emit(self, seq, finish_reason, key=""):
+        if finish_reason == "interrupted":
+            raise ConnectionError("broker gone")
+        return await real_emit(self, seq, finish_reason, key)
+
+    monkeypatch.setattr(rollout_worker.Rollout, "emit", emit)
+    transport, stop = MemoryTransport(TopicLayout()), asyncio.Event()
+    group = msgspec.structs.replace(GROUP, released_at_version=0)
+    async with transport.outbox() as outbox:
+        await outbox.send_now("prompts", group, key=group.prompt_id)
+        task = asyncio.create_task(rollout_worker.main(config, stop, transport))
+        await wait_for(lambda: bool(gated) and gated[0].reached.is_set())
+        await outbox.send_now("weights", announce(config, 1, seed=1))
+        with pytest.raises(ConnectionError, match="broker gone"):
+            await asyncio.wait_for(task, 10)
+    assert gated[0].engine.loaded.is_set()  # the load had returned when the worker ended
+    assert gated[0].engine.version == 1

@@ -41,6 +41,7 @@ from workers.vocab import outside_vocab
 from workers.weights import WeightsError, WeightsFile
 
 METRICS_PERIOD_S = 1.0
+UNLOADABLE = (WeightsError, OSError, ValueError, RuntimeError, SafetensorError)  # a file refused, not a crash
 
 
 @dataclass
@@ -218,14 +219,17 @@ class Rollout:
         weights = WeightsFile(Path(announced.uri), announced.version, announced.content_hash)
         interrupted = self.engine.interrupt()
         loading = asyncio.ensure_future(asyncio.to_thread(self.engine.update_weights, weights))
-        for seq in interrupted:  # the load leaves the sequences' tokens as they are
-            flight = self.groups[prompt_id_of(seq.key)]
-            if len(flight.conversations[seq.key].with_turn(seq)[0]) > flight.tokens_sent.get(seq.key, 0):
-                await self.emit(seq, "interrupted")
-                self.interrupted += 1
         try:
-            await loading
-        except (WeightsError, OSError, ValueError, RuntimeError, SafetensorError) as error:  # unloadable
+            for seq in interrupted:  # the load leaves the sequences' tokens as they are
+                flight = self.groups[prompt_id_of(seq.key)]
+                if len(flight.conversations[seq.key].with_turn(seq)[0]) > flight.tokens_sent.get(seq.key, 0):
+                    await self.emit(seq, "interrupted")
+                    self.interrupted += 1
+        finally:  # a failed emit (or a stop) still waits for the load: no thread is left writing the weights
+            (error,) = await asyncio.gather(loading, return_exceptions=True)  # update_weights returns None
+        if error is not None and not isinstance(error, UNLOADABLE):
+            raise error
+        if error is not None:
             self.refused_version = announced.version
             self.ctx.log.warning(
                 "weights refused, keeping the current ones", version=announced.version, reason=str(error)
