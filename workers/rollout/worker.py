@@ -227,9 +227,7 @@ class Rollout:
                     self.interrupted += 1
         finally:  # a failed emit (or a stop) still waits for the load: no thread is left writing the weights
             (error,) = await asyncio.gather(loading, return_exceptions=True)  # update_weights returns None
-        if error is not None and not isinstance(error, UNLOADABLE):
-            raise error
-        if error is not None:
+        if isinstance(error, UNLOADABLE):
             self.refused_version = announced.version
             self.ctx.log.warning(
                 "weights refused, keeping the current ones", version=announced.version, reason=str(error)
@@ -243,6 +241,8 @@ class Rollout:
                 )
             )
             return False
+        if error is not None:  # not a refused file: the worker ends on it
+            raise error
         seconds = time.perf_counter() - started
         self.load_seconds, self.loads = self.load_seconds + seconds, self.loads + 1
         self.ctx.log.info("weights loaded", version=announced.version, seconds=round(seconds, 4))
