@@ -336,6 +336,22 @@ class TelemetryConfig(Section):
             )
 
 
+class ProfileConfig(Section):
+    roles: Annotated[
+        tuple[Literal["trainer", "rollout"], ...],
+        doc(
+            "roles whose steps torch.profiler records, op by op (trainer: its optimizer steps, rank 0; rollout: "
+            "engine steps, in every rollout worker), to <run dir>/profile/; empty = off"
+        ),
+    ] = ()
+    start: Annotated[int, doc("steps a profiled worker takes before recording (past its warm-up)", ge=0)] = 10
+    steps: Annotated[int, doc("steps recorded: a Chrome trace and a table of the ops' times per worker", ge=1)] = 5
+    record_shapes: Annotated[bool, doc("also record each op's input shapes (the table then splits ops by shape)")] = (
+        False
+    )
+    with_stack: Annotated[bool, doc("also record the Python stack of each op (a much larger trace)")] = False
+
+
 class RunConfig(Section):
     name: Annotated[str, doc("run name: the run directory is <runs_dir>/<name>", min_length=1)] = "demo"
     runs_dir: Annotated[str, doc("where run directories are created")] = "runs"
@@ -359,6 +375,7 @@ class RunConfig(Section):
     trainer: TrainerConfig = TrainerConfig()
     eval: EvalConfig = EvalConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    profile: ProfileConfig = ProfileConfig()
 
     def __post_init__(self) -> None:
         if "/" in self.name or self.name in {".", "..", "latest"}:

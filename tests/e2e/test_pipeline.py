@@ -77,8 +77,15 @@ async def trained_view(bootstrap: str, prefix: str):
 async def test_async_pipeline_end_to_end(broker, tmp_path, unique_name):
     prefix, eta = unique_name("async") + ".", 4
     lending = ["cores=2", "trainer.borrow_cores=true"]  # the rollout worker lends its core while idle
+    profile = ["profile.roles=[trainer,rollout]", "profile.start=2", "profile.steps=2"]
     run_dir = run_pipeline(
-        tmp_path, broker.bootstrap, prefix, f"trainer.max_staleness={eta}", "telemetry.sample_ratio=1", *lending
+        tmp_path,
+        broker.bootstrap,
+        prefix,
+        f"trainer.max_staleness={eta}",
+        "telemetry.sample_ratio=1",
+        *lending,
+        *profile,
     )
     manifests, trained, released = await trained_view(broker.bootstrap, prefix)
 
@@ -124,6 +131,10 @@ async def test_async_pipeline_end_to_end(broker, tmp_path, unique_name):
     }
 
     check_one_trace_per_prompt(run_dir, prompt_id_of(next(iter(trained))))
+    for role, op in (("trainer", "aten::_fused_adamw_"), ("rollout", "aten::multinomial")):  # steps 3-4 of each
+        [ops] = (run_dir / "profile").glob(f"{role}-*.ops.txt")
+        assert ops.read_text().startswith(f"{ops.name.removesuffix('.ops.txt')}: steps 3-4") and op in ops.read_text()
+        assert (run_dir / "profile" / ops.name.replace(".ops.txt", ".trace.json")).stat().st_size > 0
 
 
 async def check_segments_behind(trained: dict, bootstrap: str, prefix: str) -> None:

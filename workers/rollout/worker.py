@@ -34,6 +34,7 @@ from workers import runtime
 from workers.announce import AnnouncementCheck, load_key
 from workers.cores import CoreLedger, ledger_for
 from workers.models import load_causal_lm
+from workers.profiling import step_profiler
 from workers.rollout.engine import Engine
 from workers.rollout.protocol import RolloutEngine, SamplingParams, Sequence
 from workers.rollout.workflow import Conversation, call_token_of, is_call, load_workflow
@@ -321,7 +322,7 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
         rollout, weights, waiting = Rollout(ctx, outbox, await building), WeightsFollower(weights_inbox, check), []
         cores = ledger_for(config, ctx.run_dir)  # None: the worker keeps rollout.threads throughout
         ctx.log.info("rollout started", max_batch=config.rollout.max_batch, interrupt=interrupt)
-        last_report = time.monotonic()
+        last_report, profiler = time.monotonic(), step_profiler(ctx)
         while not stop.is_set():
             latest = await weights.poll()
             new_version = rollout.wants(latest)
@@ -343,6 +344,7 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
                 break
             for flight in await rollout.step():
                 prompts.done(flight.delivery)
+            profiler.step()
             if time.monotonic() - last_report > METRICS_PERIOD_S:
                 metrics.write(
                     step=rollout.engine.version,
@@ -356,6 +358,7 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
                     engine_seconds=round(rollout.engine_seconds, 4),
                 )
                 last_report = time.monotonic()
+        profiler.close()
         if cores is not None:
             cores.close()
         await prompts.commit(now=True)

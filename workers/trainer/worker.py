@@ -45,6 +45,7 @@ from topics.transport import Delivery, Inbox, Outbox, Transport
 from workers import runtime
 from workers.announce import load_key, signed_headers
 from workers.cores import ledger_for
+from workers.profiling import step_profiler
 from workers.trainer import checkpoint
 from workers.trainer.buffer import UNIFORM, Group, GroupBuffer
 from workers.trainer.model import Trainer, checkpoints_dir
@@ -343,6 +344,7 @@ async def lead(ctx: runtime.WorkerContext, trainer: Trainer, stop: asyncio.Event
         ctx.transport.inbox("prompts", PromptGroup, outbox, origin=ctx.id) as releases,  # deadlines of groups
     ):
         loop = Lead(ctx, trainer, outbox, Feed(buffer, releases, scored, trainer.vocab), redo, pending_drops)
+        profiler = step_profiler(ctx)
         try:
             await loop.announce()
             groups: list[Group] = []
@@ -351,8 +353,10 @@ async def lead(ctx: runtime.WorkerContext, trainer: Trainer, stop: asyncio.Event
                 groups, manifest = await loop.next_batch()
                 if groups:
                     await loop.step(groups, manifest)
+                    profiler.step()
             await loop.published()
         finally:
+            profiler.close()
             if loop.publishing is not None and not loop.publishing.done():  # the step failed: no version after it
                 loop.publishing.cancel()
         if stop.is_set() and st.step % cfg.checkpoint.every:
