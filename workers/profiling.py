@@ -39,7 +39,7 @@ class StepProfiler:
     ):
         self.folder, self.name, self.log, self.start = folder, name, log, profile.start
         cuda = device.type == "cuda"
-        self.sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        self.sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
         self.shapes = profile.record_shapes
         self.taken, self.stopping = 0, False
         self.written: list[Path] = []
