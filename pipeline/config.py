@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 import typing
 from pathlib import Path
@@ -145,9 +146,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
     try:
         config = msgspec.convert(tree, RunConfig, strict=False)
     except msgspec.ValidationError as exc:
-        where = f" in {path}" if path else ""
-        raise ConfigError(f"invalid config{where}: {exc}") from exc
+        raise ConfigError(f"invalid config{origin(exc, path, list(overrides))}: {exc}") from exc
     return config
+
+
+def origin(error: msgspec.ValidationError, path: str | Path | None, overrides: list[str]) -> str:
+    """Where the invalid value came from: the last override that set its field (msgspec names it, as
+    `$.section.key[0]`), else the file."""
+    field = re.search(r"at `\$\.([^`]*)`", str(error))
+    name = re.sub(r"\[\d+\]", "", field.group(1)) if field else None
+    for text in reversed(overrides):
+        key = text.split("=", 1)[0].strip()
+        if name is not None and (name == key or name.startswith(f"{key}.")):
+            return f" (override {text!r})"
+    return f" in {path}" if path else ""
 
 
 def resolve(config: RunConfig) -> RunConfig:

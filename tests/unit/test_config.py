@@ -60,6 +60,22 @@ def test_bad_values_are_named(override, message):
     assert message in str(info.value)
 
 
+def test_a_bad_value_is_traced_to_the_override_or_the_file_that_set_it(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("profile: {start: -1}\ntrainer: {steps: 5}\n")
+    with pytest.raises(ConfigError) as from_override:
+        load_config(config, ["profile.start=2", "profile.roles=[trainer,reward]"])
+    assert str(from_override.value).startswith("invalid config (override 'profile.roles=[trainer,reward]'): ")
+    with pytest.raises(ConfigError) as from_file:  # the override sets another field of the same section
+        load_config(config, ["profile.steps=3"])
+    assert str(from_file.value).startswith(f"invalid config in {config}: ") and "$.profile.start" in str(
+        from_file.value
+    )
+    with pytest.raises(ConfigError) as from_section:  # a whole section given as one override
+        load_config(None, ["trainer={steps: 0}"])
+    assert "(override 'trainer={steps: 0}')" in str(from_section.value)
+
+
 def test_bad_yaml_file_is_named(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer: [1, 2\n")
