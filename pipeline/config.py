@@ -154,10 +154,10 @@ def origin(error: msgspec.ValidationError, path: str | Path | None, overrides: l
     """Where the invalid value came from: the last override that set its field (msgspec names it, as
     `$.section.key[0]`), else the file."""
     field = re.search(r"at `\$\.([^`]*)`", str(error))
-    name = re.sub(r"\[\d+\]", "", field.group(1)) if field else None
+    name = re.sub(r"\[\d+\]", "", field.group(1)) if field else ""
     for text in reversed(overrides):
-        key = text.split("=", 1)[0].strip()
-        if name is not None and (name == key or name.startswith(f"{key}.")):
+        key = ".".join(parse_override(text)[0])  # parsed once already: it cannot fail here
+        if name == key or name.startswith(f"{key}."):
             return f" (override {text!r})"
     return f" in {path}" if path else ""
 

@@ -42,7 +42,7 @@ class StepProfiler:
         self.sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
         self.shapes = profile.record_shapes
         self.taken, self.stopping = 0, False
-        self.written: list[Path] = []
+        self.written = False
         self.profiler = torch.profiler.profile(
             activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])],
             schedule=torch.profiler.schedule(
@@ -82,7 +82,7 @@ class StepProfiler:
             )
             + f"\n{table}\n"
         )
-        self.written = [trace, ops]
+        self.written = True
         self.log.info("profile written", trace=str(trace), ops=str(ops))
 
 
