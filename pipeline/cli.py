@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from schemas.config import RunConfig
 
-ROLES = ("prompts", "rollout", "reward", "trainer")
+ROLES = ("prompts", "rollout", "reward", "trainer", "eval")  # eval: the launcher starts it beside the others
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -513,7 +513,7 @@ def prepare_command(config: RunConfig) -> int:
     A run directory with a checkpoint is a resumed deployment: a `resume` line for summary.json's resumed_from."""
     from pipeline.config import ConfigError
     from pipeline.launch import check_dataset, checkpoint_step, prepare
-    from pipeline.monitor import note_resume
+    from pipeline.monitor import note_start
 
     if not config.broker.bootstrap:
         raise ConfigError("prepare needs broker.bootstrap=HOST:PORT (the broker the workers will use)")
@@ -521,7 +521,7 @@ def prepare_command(config: RunConfig) -> int:
     path = prepare(config)[1]
     step = checkpoint_step(path.parent)
     if step is not None:
-        note_resume(path.parent, step)
+        note_start(path.parent, step)
     print(path)
     return 0
 

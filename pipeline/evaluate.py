@@ -38,6 +38,7 @@ from workers.tasks import load_task
 from workers.weights import load_into, read_version
 
 CORRECT_AT = 1.0  # full credit: the built-in verifiers give 1.0 for a right answer, 0.0 otherwise
+EVAL_KEYS = ("n", "k", "pass_at_1", "pass_at_k", "maj_at_k", "length_p50", "length_p90")  # beside the accuracy
 
 
 # ---- metrics: pure functions ----

@@ -2,8 +2,9 @@
 
 The launcher prepares the model (the demo builds and warms up its own), starts the
 embedded broker unless a bootstrap is configured, starts the workers as separate
-processes (`asyncrl worker <role>`), follows `metrics.jsonl` for the progress bar
-and the held-out evaluation, and stops everything when the trainer has made its
+processes (`asyncrl worker <role>`) with the held-out evaluator beside them
+(`pipeline.eval_worker`, on idle cores only), follows `metrics.jsonl` for the progress
+bar and asks for evaluations, and stops everything when the trainer has made its
 last step, on Ctrl-C or SIGTERM, when the embedded broker dies, or after `max_wall_s`.
 `asyncrl run --resume RUN_DIR` starts a stopped, failed or killed run again from its
 newest checkpoint; on the embedded broker its topics come back from `topics.export`,
@@ -32,9 +33,10 @@ from pipeline.config import ConfigError, derived_weights_dir, load_config, on_on
 from schemas.config import RunConfig
 from topics.broker import die_with_parent
 from workers import runtime
+from workers.cores import lower_priority
 
 if TYPE_CHECKING:
-    from pipeline.evaluate import Evaluator
+    from pipeline.eval_worker import EvalRequests
     from topics.broker import EmbeddedBroker
 
 WORKER_MODULES = {
@@ -42,9 +44,12 @@ WORKER_MODULES = {
     "rollout": "workers.rollout.worker",
     "reward": "workers.reward.worker",
     "trainer": "workers.trainer.worker",
+    "eval": "pipeline.eval_worker",  # the launcher's own: the run's held-out evaluation
 }
-STOP_ORDER = ("prompts", "rollout", "reward", "trainer")  # the trainer last: it checkpoints on stop
+STOP_ORDER = ("prompts", "rollout", "reward", "trainer")  # the trainer last: it checkpoints on stop; then the
+# evaluator scores what it was asked for (`LocalRun.finish_evaluation`)
 BROKER_GONE_STOP_S = 5.0  # all workers at once: without a broker nothing flows, a delivery would wait 40 s
+EVAL_STALL_S = 600.0  # an evaluator that scores no queued version for this long once the workers stopped is stopped
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are processes already
 
 
@@ -61,6 +66,7 @@ class WorkerProcess:
     config_path: Path
     log_path: Path
     ranks: int = 1  # > 1: that many processes under torchrun (the trainer's FSDP2 ranks)
+    idle: bool = False  # under SCHED_IDLE from its first instruction (the evaluator: its imports alone take ~5 s)
     process: subprocess.Popen | None = None
     restarts: int = 0
 
@@ -74,8 +80,14 @@ class WorkerProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=die_with_parent,
+                preexec_fn=self.before_exec,
             )
+
+    def before_exec(self) -> None:
+        """In the child: it dies with the launcher, and an idle worker computes on idle cores only."""
+        die_with_parent()
+        if self.idle:
+            lower_priority()
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM, then SIGKILL if it does not end in time; always reaped."""
@@ -299,35 +311,64 @@ class LocalRun:
     broker: EmbeddedBroker | None = None
     workers: list[WorkerProcess] = field(default_factory=list)
     config_path: Path | None = None  # set once config.yaml is written
-    evaluator: Evaluator | None = None
-    base_accuracy: float | None = None
+    evaluation: EvalRequests | None = None  # the evaluator process's queue; None without an evaluation set
     metrics_offset: int = 0  # where the monitor starts reading metrics.jsonl: after a resumed run's earlier lines
 
     def start(self, stops: StopSignals, eval_rows: list | None, progress: bool) -> None:
-        """The broker, the model and topics (config.yaml, then `latest`), the base evaluation (a resumed run
-        has it in metrics.jsonl), the workers."""
+        """The broker, the model and topics (config.yaml, then `latest`), the workers and the evaluator, asked
+        first for the base model (a resumed run has it in metrics.jsonl)."""
         from pipeline import monitor
-        from pipeline.evaluate import NO_EVAL_SET, Evaluator
+        from pipeline.evaluate import NO_EVAL_SET
 
         if not self.config.broker.bootstrap or self.config.broker.embedded:  # embedded: a config.yaml run again
             self.start_broker(stops)
         self.config, self.config_path = prepare(self.config, progress)
         link_latest(self.run_dir)
-        self.evaluator = Evaluator.for_config(self.config, eval_rows)
-        if self.evaluator is None:
+        self.metrics_offset = monitor.note_start(self.run_dir, self.resumed_from)
+        if eval_rows is None:
             print(NO_EVAL_SET, file=sys.stderr)
-        if self.resumed_from is None:
-            base = monitor.evaluate_version(self.config, self.run_dir, self.evaluator, 0) if self.evaluator else None
-            self.base_accuracy = base["heldout_accuracy"] if base else None
         else:
-            self.base_accuracy = monitor.recorded_base_accuracy(self.run_dir)
-            self.metrics_offset = monitor.note_resume(self.run_dir, self.resumed_from)
+            self.start_evaluator()
         roles = ["trainer", "reward", "prompts"] + ["rollout"] * self.config.rollout.workers
         for index, role in enumerate(roles):
             ranks = self.config.trainer.ranks if role == "trainer" else 1
             log_path = self.run_dir / "logs" / f"{role}-{index}.stdout"
             self.workers.append(WorkerProcess(role, index, self.config_path, log_path, ranks))
             self.workers[-1].start()
+
+    def start_evaluator(self) -> None:
+        """The evaluator process, asked first for the model as loaded (version 0), and the queue the monitor asks
+        it through. It scores on idle cores: the workers start beside it, never waiting for its base accuracy."""
+        from pipeline.eval_worker import EvalRequests
+
+        self.evaluation = EvalRequests(self.run_dir, runtime.weights_dir(self.config))
+        if self.resumed_from is None:
+            self.evaluation.ask(0)
+        log_path = self.run_dir / "logs" / "eval-0.stdout"
+        self.workers.append(WorkerProcess("eval", 0, self.config_path, log_path, idle=True))
+        self.workers[-1].start()
+
+    def finish_evaluation(self) -> None:
+        """Once the workers have stopped: the last step's version asked for, and the queue scored (every core is
+        the evaluator's now) before summary.json is written; an evaluator stalled for EVAL_STALL_S is stopped."""
+        from pipeline import monitor
+
+        evaluator = next((w for w in self.workers if w.role == "eval"), None)
+        if evaluator is None or evaluator.process.poll() is not None:
+            return
+        if (version := monitor.final_version(self.run_dir)) is not None:
+            self.evaluation.ask(version, wait_s=0)
+        self.evaluation.close()
+        pending, progress_at = self.evaluation.pending(), time.monotonic()
+        if pending > 1:
+            print(f"asyncrl: scoring the {pending} versions still queued for evaluation", file=sys.stderr)
+        while evaluator.process.poll() is None:
+            if (left := self.evaluation.pending()) < pending:
+                pending, progress_at = left, time.monotonic()
+            elif time.monotonic() - progress_at > EVAL_STALL_S:
+                print(f"asyncrl: the evaluator scored nothing in {EVAL_STALL_S:.0f} s; stopping it", file=sys.stderr)
+                evaluator.stop()
+            time.sleep(0.05)
 
     def start_broker(self, stops: StopSignals) -> None:
         """The embedded broker on a free port. On a resume the run's topics and its groups' committed offsets
@@ -350,6 +391,7 @@ class LocalRun:
             for worker in self.workers:
                 if worker.role == role:
                     worker.stop()
+        self.finish_evaluation()
         if self.broker is not None:
             if self.broker.running and self.config_path:  # a dead broker took its topics with it
                 export_topics_quietly(self.config, self.run_dir)  # the broker keeps them in memory only
@@ -438,8 +480,7 @@ def run_locally(config: RunConfig, progress: bool, stops: StopSignals, resumed_f
             run.config,
             run_dir,
             run.workers,
-            run.evaluator,
-            run.base_accuracy,
+            run.evaluation,
             started,
             progress,
             wandb_stream,
@@ -456,9 +497,7 @@ def run_locally(config: RunConfig, progress: bool, stops: StopSignals, resumed_f
     if run.config_path is None:  # stopped while preparing: nothing ran, there is nothing to report
         return stopped.exit_code
     reason = stopped.reason if stopped else None
-    summary = monitor.finish(
-        run.config, run_dir, run.evaluator, run.base_accuracy, outcome, started, wandb_stream, reason
-    )
+    summary = monitor.finish(run.config, run_dir, outcome, started, wandb_stream, reason)
     summary = export_final(run_dir, summary)  # <run dir>/final-model, as summary.json's exported_model
     print(json.dumps(summary, indent=2))
     return stopped.exit_code if stopped else 0 if outcome == "finished" else 1

@@ -1,12 +1,12 @@
 """Following a running pipeline: progress bar, evaluation, restarts; then the run's report.
 
 The trainer's lines in `metrics.jsonl` drive everything: the bar shows them, every
-`eval.every` steps the evaluator (`pipeline.evaluate`) scores that weight version here,
-in the launcher, while the trainer goes on, and appends an `eval` line tagged with the
-version (greedy accuracy as `heldout_accuracy`, pass@1/pass@k/maj@k when eval.k > 0; the
-rows under `eval/v<version>.jsonl`), and the report (summary.json, curves.png,
-TensorBoard) is built from the file alone, so it can be rebuilt for any run directory. With
-`telemetry.wandb_project` set, every line also goes to W&B as it is written.
+`eval.every` steps that weight version is queued for the run's evaluator process
+(`pipeline.eval_worker`, which scores it on otherwise idle cores and appends an `eval` line
+tagged with the version: greedy accuracy as `heldout_accuracy`, pass@1/pass@k/maj@k when
+eval.k > 0; the rows under `eval/v<version>.jsonl`), and the report (summary.json,
+curves.png, TensorBoard) is built from the file alone, so it can be rebuilt for any run
+directory. With `telemetry.wandb_project` set, every line also goes to W&B as it is written.
 """
 
 from __future__ import annotations
@@ -21,17 +21,15 @@ import msgspec
 from tqdm import tqdm
 
 from pipeline.config import ConfigError
-from pipeline.evaluate import Evaluator, percentile, write_rows
+from pipeline.eval_worker import EvalRequests
+from pipeline.evaluate import percentile
 from schemas.config import RunConfig
 from workers import runtime
 from workers.reward.budget import EXIT_CODE as REWARD_BUDGET_EXIT
-from workers.weights import version_path
 
 MAX_RESTARTS = 3  # per worker; a worker that keeps failing ends the run as "failed"
 ERROR_TAIL_LINES = 8  # of a failed worker's log, on the console
 EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)(:|$)")  # a traceback's last line
-EVAL_KEYS = ("n", "k", "pass_at_1", "pass_at_k", "maj_at_k", "length_p50", "length_p90")  # beside the accuracy
-VERSION_WRITE_WAIT_S = 30.0  # for the file of a step the trainer has reported: it writes versions off the step's path
 
 
 def read_metrics(path: Path, offset: int = 0) -> tuple[list[dict], int]:
@@ -90,40 +88,6 @@ class WandbStream:
         self.run.summary.update(summary)
         self.run.finish(exit_code=0 if summary["outcome"] == "finished" else 1)
         wandb.teardown()  # run.finish() may return before wandb-core has written the run's log; this waits for it
-
-
-def written(path: Path, timeout_s: float) -> bool:
-    """Whether a version's file is there, waiting for it while no newer version's is: the trainer writes a
-    version after it reports the step (publication is off the step's path), versions in order, so a missing
-    file with a newer one beside it was deleted (the run keeps only its newest) and one without is on its way."""
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if any(other.name > path.name for other in path.parent.glob("v*.safetensors")) or time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
-def evaluate_version(
-    config: RunConfig, run_dir: Path, evaluator: Evaluator, version: int, wait_s: float = 0.0
-) -> dict | None:
-    """Score weight version `version` (0: the model as loaded, before training) and append its `eval` line to
-    metrics.jsonl, its rows to eval/v<version>.jsonl; the line, or None when the version's file is gone (or not
-    written within `wait_s`: only while the trainer runs can a missing file still come). In the
-    launcher's main thread: math-verify's parser (data.reward=math, chain) times itself with SIGALRM, which
-    only the main thread may use."""
-    weights = version_path(runtime.weights_dir(config), version) if version else None
-    if weights is not None and not written(weights, wait_s):
-        return None
-    result = evaluator.evaluate(weights)
-    if result is None:
-        return None
-    summary = result.summary
-    line = {"step": version, "version": version, "heldout_accuracy": summary["greedy_accuracy"]}
-    line |= {key: summary[key] for key in EVAL_KEYS if summary[key] is not None}
-    runtime.MetricsWriter(run_dir / "metrics.jsonl", "eval").write(**line)
-    write_rows(run_dir / "eval" / f"v{version:06d}.jsonl", result.rows)
-    return line
 
 
 def failure_report(worker, code: int) -> str:
@@ -186,17 +150,17 @@ def follow(
     config: RunConfig,
     run_dir: Path,
     workers: list,
-    evaluator: Evaluator | None,
-    base_accuracy: float | None,
+    evaluation: EvalRequests | None,
     started: float,
     progress: bool,
     wandb_stream: WandbStream | None = None,
     offset: int = 0,
 ) -> str:
     """Until the trainer's last step: 'finished', 'timeout' or 'failed' (a stop signal raises through it).
+    `evaluation`: where every eval.every-th version is asked for (None: no evaluation set).
     `offset`: where metrics.jsonl is read from (a resumed run's earlier lines are done with)."""
     metrics_path = run_dir / "metrics.jsonl"
-    accuracy = base_accuracy  # the base line itself was written by `evaluate_version(..., 0)`
+    accuracy = None
     bar = tqdm(total=config.trainer.steps, desc="asyncrl", unit="step", disable=not progress, dynamic_ncols=True)
     step = 0
     try:
@@ -206,13 +170,17 @@ def follow(
             lines, offset = read_metrics(metrics_path, offset)
             if wandb_stream:
                 wandb_stream.sync()
-            for line in (l for l in lines if l["source"] == "trainer"):
+            if evaluation:
+                evaluation.link_written()
+            for line in lines:
+                if line["source"] == "eval":  # scored behind the trainer, whenever a core was free
+                    accuracy = line["heldout_accuracy"]
+                if line["source"] != "trainer":
+                    continue
                 bar.update(max(line["step"] - step, 0))  # a restarted trainer repeats steps after its checkpoint
                 step = line["step"]
-                if evaluator and config.eval.every and step % config.eval.every == 0 and step < config.trainer.steps:
-                    measured = evaluate_version(config, run_dir, evaluator, step, VERSION_WRITE_WAIT_S)
-                    if measured is not None:
-                        accuracy = measured["heldout_accuracy"]
+                if evaluation and config.eval.every and step % config.eval.every == 0 and step < config.trainer.steps:
+                    evaluation.ask(step)  # the last step's version is asked for once the workers have stopped
                 bar.set_postfix(
                     reward=f"{line['reward_mean']:.2f}",
                     acc="-" if accuracy is None else f"{accuracy:.2f}",
@@ -249,17 +217,14 @@ def standing_steps(lines: list[dict]) -> list[dict]:
     return kept
 
 
-def recorded_base_accuracy(run_dir: Path) -> float | None:
-    """The base model's held-out accuracy as the run's first launch measured it (its version 0 line)."""
-    lines, _ = read_metrics(run_dir / "metrics.jsonl")
-    return next((l["heldout_accuracy"] for l in lines if l["source"] == "eval" and l.get("version") == 0), None)
-
-
-def note_resume(run_dir: Path, step: int) -> int:
-    """A `resume` line in metrics.jsonl (summary.json lists them); the file's size after it, where the
-    resumed run's monitor starts reading."""
+def note_start(run_dir: Path, resumed_from: int | None = None) -> int:
+    """A line in metrics.jsonl as the workers start: `start`, or `resume` with the step of the checkpoint the
+    run resumes from (summary.json lists them); the file's size after it, where the monitor starts reading."""
     path = run_dir / "metrics.jsonl"
-    runtime.MetricsWriter(path, "resume").write(step=step)
+    if resumed_from is None:
+        runtime.MetricsWriter(path, "start").write(step=0)
+    else:
+        runtime.MetricsWriter(path, "resume").write(step=resumed_from)
     return path.stat().st_size
 
 
@@ -282,28 +247,34 @@ def completion_length_summary(steps: list[dict]) -> dict[str, float]:
     }
 
 
+def final_version(run_dir: Path) -> int | None:
+    """The version of the run's last standing step (what the final evaluation scores), None before any."""
+    steps = standing_steps(read_metrics(run_dir / "metrics.jsonl")[0])
+    return steps[-1]["step"] if steps else None
+
+
 def finish(
     config: RunConfig,
     run_dir: Path,
-    evaluator: Evaluator | None,
-    base_accuracy: float | None,
     outcome: str,
     started: float,
     wandb_stream: WandbStream | None = None,
     reason: str | None = None,
 ) -> dict:
-    """Final evaluation, then summary.json (`reason`: why a run stopped or failed, when the launcher knows),
-    curves.png, TensorBoard events and the W&B run's summary."""
+    """summary.json (`reason`: why a run stopped or failed, when the launcher knows), curves.png,
+    TensorBoard events and the W&B run's summary; the final accuracy is the evaluation of the last
+    step's version, when there is one (the launcher asks for it once the workers have stopped)."""
     lines, _ = read_metrics(run_dir / "metrics.jsonl")
     steps = standing_steps(lines)
     last = steps[-1] if steps else {}
-    final = evaluate_version(config, run_dir, evaluator, last["step"]) if evaluator and last else None
-    base = next((l for l in lines if l["source"] == "eval" and l.get("version") == 0), None)
+    evals = [l for l in lines if l["source"] == "eval"]
+    final = next((l for l in reversed(evals) if last and l["version"] == last["step"]), None)
+    base = next((l for l in evals if l.get("version") == 0), None)
     summary = {
         "run": config.name,
         "outcome": outcome,
         "reason": reason or reward_verdict(lines),
-        "base_accuracy": base_accuracy,
+        "base_accuracy": base["heldout_accuracy"] if base else None,
         "final_accuracy": final["heldout_accuracy"] if final else None,
         **sampled_eval_summary(base, final),
         "steps": last.get("step", 0),

@@ -377,6 +377,6 @@ def finish(config: RunConfig, args: argparse.Namespace) -> int:
     from workers import runtime
 
     run_dir = runtime.run_dir(config)
-    summary = monitor.finish(config, run_dir, None, None, args.outcome, args.started, None, args.reason or None)
+    summary = monitor.finish(config, run_dir, args.outcome, args.started, None, args.reason or None)
     print(json.dumps(export_final(run_dir, summary), indent=2))
     return 0

@@ -7,8 +7,9 @@ it holds cores. A rollout worker holds its own while it generates and leaves the
 the trainer borrows whatever is free for one step and gives it back after, and borrows nothing while a rollout
 worker waits for its own, so one with work waits at most one step for its core. The trainer and the rollout
 workers never compute on one core together (more threads than cores collapse tiny matmuls: 0.13 s became
-2.3 s per step here); the reward worker, the broker and the launcher's evaluator are not in the ledger. The
-kernel drops a dead process's locks: a killed worker never keeps a core.
+2.3 s per step here); the reward worker and the broker are not in the ledger, and the run's evaluator needs
+not be: it runs under SCHED_IDLE (`lower_priority`). The kernel drops a dead process's locks: a killed
+worker never keeps a core.
 """
 
 from __future__ import annotations
@@ -21,6 +22,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from schemas.config import RunConfig
+
+
+def lower_priority() -> None:
+    """Every thread of this process, and those it starts later, to SCHED_IDLE: it computes only on a core
+    that no other process wants (nice 19 where there is no SCHED_IDLE)."""
+    if not hasattr(os, "SCHED_IDLE"):
+        os.nice(19)
+        return
+    for thread in os.listdir("/proc/self/task"):
+        os.sched_setscheduler(int(thread), os.SCHED_IDLE, os.sched_param(0))
 
 
 def cores_here() -> int:

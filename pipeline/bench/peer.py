@@ -14,10 +14,10 @@ its user:
 
 - the peer's starts as it loads its model and builds its trainer and stops at its last step;
   its evaluations are left out (its clock is paused during them: they run in its only process);
-- asyncrl's starts when the launcher starts the workers (after its base evaluation, the first
-  line of metrics.jsonl) and a version's accuracy counts from the time the trainer reported that
-  step. Its evaluations run in the launcher beside the workers and are not left out: they share
-  the cores with training.
+- asyncrl's starts when the launcher starts the workers (its `start` line, the first of
+  metrics.jsonl) and a version's accuracy counts from the time the trainer reported that
+  step (version 0: from the start). Its evaluations are not left out: its evaluator process runs beside the workers, on
+  the cores they leave idle.
 
 `time_to_peer_final_ratio` = asyncrl's time to reach the peer's final accuracy / the peer's
 wall time (below 1: asyncrl got there sooner; null: it never did).
@@ -71,7 +71,7 @@ def time_to_peer_final_ratio(curve: list[dict], peer_final: float, peer_seconds:
 
 def asyncrl_curve(lines: list[dict]) -> list[dict]:
     """Held-out accuracy per evaluated version from a run's metrics.jsonl lines, timed from the first line (the
-    base evaluation, written as the workers start) to the trainer's line of that step (version 0: 0 s)."""
+    launcher's `start`, written as the workers start) to the trainer's line of that step (version 0: 0 s)."""
     start = min(line["time"] for line in lines)
     reported = {line["step"]: line["time"] for line in standing_steps(lines)}
     evals = {line["version"]: line["heldout_accuracy"] for line in lines if line["source"] == "eval"}

@@ -54,3 +54,5 @@ def test_own_jsonl_run_evaluates_its_eval_source(broker, tmp_path: Path, unique_
     assert summary["eval_k"] == K and summary["final_maj_at_k"] == evals[-1]["maj_at_k"]
     assert (run_dir / "curves.png").stat().st_size > 10_000
     assert "no evaluation set" not in done.stderr
+    assert (run_dir / "logs" / "eval-0.stdout").exists()  # scored by the run's evaluator process
+    assert sorted(path.name for path in (run_dir / "eval" / "queue").iterdir()) == ["done"]  # all of it scored

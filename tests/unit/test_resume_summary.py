@@ -32,13 +32,12 @@ def test_a_resumed_run_s_summary_counts_each_step_once(tmp_path: Path) -> None:
     first += [trainer(step, 99 if step > 3 else step) for step in range(1, 6)]  # 4, 5: lost with the broker
     metrics.write_text("".join(json.dumps({"time": 1.0, **line}) + "\n" for line in first))
     size = metrics.stat().st_size
-    assert monitor.recorded_base_accuracy(run_dir) == 0.25
-    offset = monitor.note_resume(run_dir, 3)
+    offset = monitor.note_start(run_dir, resumed_from=3)
     assert offset == metrics.stat().st_size > size and monitor.read_metrics(metrics, size)[0][0]["step"] == 3
     with open(metrics, "a") as out:
         for step in (4, 5):
             out.write(json.dumps({"time": 2.0, **trainer(step, step)}) + "\n")
-    summary = monitor.finish(config, run_dir, None, 0.25, "finished", started=0.0)
+    summary = monitor.finish(config, run_dir, "finished", started=0.0)
     assert (summary["steps"], summary["trained_trajectories"], summary["resumed_from"]) == (5, 20, [3])
     assert (summary["completion_len_max"], summary["base_accuracy"]) == (5, 0.25)
     assert json.loads((run_dir / "summary.json").read_text())["resumed_from"] == [3]
