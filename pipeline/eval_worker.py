@@ -4,11 +4,13 @@ The monitor asks for a weight version by hard-linking its file into `<run dir>/e
 trainer deletes all but its newest versions; the link keeps this one until it is scored), and
 never waits for the answer. This process (`asyncrl worker eval`, started by the launcher) scores
 the queue oldest first with `pipeline.evaluate`: the version's `eval` line in metrics.jsonl, its
-rows in `eval/v<version>.jsonl`. It runs under SCHED_IDLE, so it computes only when a core would
-otherwise idle: an evaluation never takes a core from the trainer or a rollout worker; it falls
-behind instead and catches up when they wait, or once they have stopped (the launcher asks for
-the final version, then waits for the queue to empty). Its main thread scores: math-verify times
-itself with SIGALRM, which only the main thread may use.
+rows in `eval/v<version>.jsonl`. It runs under SCHED_IDLE, so the kernel gives it a core only when
+no other process wants one: an evaluation takes (almost) nothing from the trainer and the rollout
+workers (README, Benchmarks); it falls behind instead and catches up when they wait, or once they
+have stopped (the launcher asks for the final version, then waits for the queue to empty). A
+version that cannot be scored is dropped with the reason in its log: it costs a point of the curve,
+never the run. Its main thread scores: math-verify times itself with SIGALRM, which only the main
+thread may use.
 """
 
 from __future__ import annotations
@@ -130,8 +132,11 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
         done = (queue / DONE).exists()  # before the queue is read: every request was in before it
         pending = queued(queue)
         if pending:
-            request = pending[0]
-            score_version(run_dir, evaluator, version_of(request), None if request.name == BASE else request)
+            request, version = pending[0], version_of(pending[0])
+            try:
+                score_version(run_dir, evaluator, version, None if request.name == BASE else request)
+            except Exception as exc:  # e.g. a file that is not this model's weights
+                print(f"asyncrl eval: version {version} not scored: {type(exc).__name__}: {exc}", flush=True)
             request.unlink()
         elif done:
             return

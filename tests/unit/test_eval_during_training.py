@@ -167,3 +167,28 @@ def test_weights_on_another_file_system_are_copied_into_the_queue(tmp_path: Path
     assert target.read_bytes() == b"weights" and not list(target.parent.glob("*.partial"))
     with pytest.raises(FileNotFoundError):
         link(tmp_path / "v000009.safetensors", target.with_name("v000009.safetensors"))
+
+
+def test_a_version_that_cannot_be_scored_is_dropped_with_its_reason_and_the_next_one_scored(
+    demo_model_dir: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """The evaluator's loop in this process (this test's threads keep their priority)."""
+    import asyncio
+
+    from pipeline import eval_worker
+
+    monkeypatch.setattr(eval_worker, "lower_priority", lambda: None)
+    config = own_jsonl_config(demo_model_dir, tmp_path)
+    run_dir = runtime.run_dir(config)
+    queue = queue_dir(run_dir)
+    queue.mkdir(parents=True)
+    (queue / "v000001.safetensors").write_bytes(b"not safetensors")
+    good = Evaluator.for_config(config).model
+    write_version(unique_state_dict(good), tmp_path / "weights", 2, keep=4)
+    link(tmp_path / "weights" / "v000002.safetensors", queue / "v000002.safetensors")
+    (queue / "done").touch()
+    asyncio.run(eval_worker.main(config, asyncio.Event()))  # returns: the queue is scored and nothing more comes
+    assert "asyncrl eval: version 1 not scored: SafetensorError" in capsys.readouterr().out
+    lines, _ = monitor.read_metrics(run_dir / "metrics.jsonl")
+    assert [line["version"] for line in lines if line["source"] == "eval"] == [2]
+    assert queued(queue) == []
