@@ -315,9 +315,10 @@ class LocalRun:
     metrics_offset: int = 0  # where the monitor starts reading metrics.jsonl: after a resumed run's earlier lines
 
     def start(self, stops: StopSignals, eval_rows: list | None, progress: bool) -> None:
-        """The broker, the model and topics (config.yaml, then `latest`), the workers and the evaluator, asked
-        first for the base model (a resumed run has it in metrics.jsonl)."""
+        """The broker, the model and topics (config.yaml, then `latest`), the evaluator's queue, asked first for
+        the base model (a resumed run has it in metrics.jsonl), the workers (the evaluator: `start_evaluator`)."""
         from pipeline import monitor
+        from pipeline.eval_worker import EvalRequests
         from pipeline.evaluate import NO_EVAL_SET
 
         if not self.config.broker.bootstrap or self.config.broker.embedded:  # embedded: a config.yaml run again
@@ -328,7 +329,9 @@ class LocalRun:
         if eval_rows is None:
             print(NO_EVAL_SET, file=sys.stderr)
         else:
-            self.start_evaluator()
+            self.evaluation = EvalRequests(self.run_dir, runtime.weights_dir(self.config))
+            if self.resumed_from is None:
+                self.evaluation.ask(0)
         roles = ["trainer", "reward", "prompts"] + ["rollout"] * self.config.rollout.workers
         for index, role in enumerate(roles):
             ranks = self.config.trainer.ranks if role == "trainer" else 1
@@ -337,13 +340,10 @@ class LocalRun:
             self.workers[-1].start()
 
     def start_evaluator(self) -> None:
-        """The evaluator process, asked first for the model as loaded (version 0), and the queue the monitor asks
-        it through. It scores on idle cores: the workers start beside it, never waiting for its base accuracy."""
-        from pipeline.eval_worker import EvalRequests
-
-        self.evaluation = EvalRequests(self.run_dir, runtime.weights_dir(self.config))
-        if self.resumed_from is None:
-            self.evaluation.ask(0)
+        """The evaluator process, once the trainer has made its first step (the monitor calls this): started
+        beside the workers, even under SCHED_IDLE, it delayed their start by ~5 s on 2 cores (cause not found)."""
+        if self.evaluation is None:
+            return
         log_path = self.run_dir / "logs" / "eval-0.stdout"
         self.workers.append(WorkerProcess("eval", 0, self.config_path, log_path, idle=True))
         self.workers[-1].start()
@@ -353,10 +353,13 @@ class LocalRun:
         the evaluator's now) before summary.json is written; an evaluator stalled for EVAL_STALL_S is stopped."""
         from pipeline import monitor
 
+        version = monitor.final_version(self.run_dir)
+        if version is not None and not any(w.role == "eval" for w in self.workers):
+            self.start_evaluator()  # the run ended before the monitor saw its first step
         evaluator = next((w for w in self.workers if w.role == "eval"), None)
-        if evaluator is None or evaluator.process.poll() is not None:
+        if evaluator is None or evaluator.process.poll() is not None:  # no step, no evaluation set, or it failed
             return
-        if (version := monitor.final_version(self.run_dir)) is not None:
+        if version is not None:
             self.evaluation.ask(version, wait_s=0)
         self.evaluation.close()
         pending, progress_at = self.evaluation.pending(), time.monotonic()
@@ -485,6 +488,7 @@ def run_locally(config: RunConfig, progress: bool, stops: StopSignals, resumed_f
             progress,
             wandb_stream,
             run.metrics_offset,
+            run.start_evaluator,
         )
     except RunStopped as stop:
         stopped, outcome = stop, stop.outcome

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -155,10 +156,12 @@ def follow(
     progress: bool,
     wandb_stream: WandbStream | None = None,
     offset: int = 0,
+    on_first_step: Callable[[], None] | None = None,
 ) -> str:
     """Until the trainer's last step: 'finished', 'timeout' or 'failed' (a stop signal raises through it).
     `evaluation`: where every eval.every-th version is asked for (None: no evaluation set).
-    `offset`: where metrics.jsonl is read from (a resumed run's earlier lines are done with)."""
+    `offset`: where metrics.jsonl is read from (a resumed run's earlier lines are done with).
+    `on_first_step`: called once, at the trainer's first line (the launcher starts its evaluator then)."""
     metrics_path = run_dir / "metrics.jsonl"
     accuracy = None
     bar = tqdm(total=config.trainer.steps, desc="asyncrl", unit="step", disable=not progress, dynamic_ncols=True)
@@ -200,6 +203,9 @@ def follow(
             if config.max_wall_s and time.time() - started > config.max_wall_s:
                 bar.write(f"asyncrl: max_wall_s={config.max_wall_s} reached, stopping")
                 return "timeout"
+            if on_first_step and step:  # after the workers were polled: it may add one
+                on_first_step()
+                on_first_step = None
             time.sleep(0.2)
     finally:
         bar.close()

@@ -55,4 +55,6 @@ def test_own_jsonl_run_evaluates_its_eval_source(broker, tmp_path: Path, unique_
     assert (run_dir / "curves.png").stat().st_size > 10_000
     assert "no evaluation set" not in done.stderr
     assert (run_dir / "logs" / "eval-0.stdout").exists()  # scored by the run's evaluator process
+    first_step = next(line["time"] for line in lines if line["source"] == "trainer")
+    assert evals[0]["time"] > first_step  # it starts once the trainer has stepped: the workers' start-up is over
     assert sorted(path.name for path in (run_dir / "eval" / "queue").iterdir()) == ["done"]  # all of it scored
