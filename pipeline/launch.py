@@ -2,9 +2,9 @@
 
 The launcher prepares the model (the demo builds and warms up its own), starts the
 embedded broker unless a bootstrap is configured, starts the workers as separate
-processes (`asyncrl worker <role>`) with the held-out evaluator beside them
-(`pipeline.eval_worker`, on idle cores only), follows `metrics.jsonl` for the progress
-bar and asks for evaluations, and stops everything when the trainer has made its
+processes (`asyncrl worker <role>`), and from the trainer's first step the held-out
+evaluator (`pipeline.eval_worker`, on idle cores only), follows `metrics.jsonl` for the
+progress bar and asks for evaluations, and stops everything when the trainer has made its
 last step, on Ctrl-C or SIGTERM, when the embedded broker dies, or after `max_wall_s`.
 `asyncrl run --resume RUN_DIR` starts a stopped, failed or killed run again from its
 newest checkpoint; on the embedded broker its topics come back from `topics.export`,
