@@ -14,6 +14,7 @@ which the trainer appends to before each checkpoint.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -25,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import msgspec
 
@@ -33,9 +34,11 @@ from pipeline.config import ConfigError, derived_weights_dir, load_config, on_on
 from schemas.config import RunConfig
 from topics.broker import die_with_parent
 from workers import runtime
-from workers.cores import lower_priority
+from workers.cores import lower_priority, restore_priority
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from pipeline.eval_worker import EvalRequests
     from topics.broker import EmbeddedBroker
 
@@ -74,7 +77,7 @@ class WorkerProcess:
         worker = ["-m", "pipeline.cli", "worker", self.role, "--config", str(self.config_path)]
         if self.ranks > 1:  # torchrun forwards SIGTERM to its ranks and ends them all when one fails
             worker = ["-m", "pipeline.local_torchrun", f"--nproc-per-node={self.ranks}", *worker]  # on loopback
-        with open(self.log_path, "ab") as log:
+        with open(self.log_path, "ab") as log, StopSignals.held():
             self.process = subprocess.Popen(
                 [sys.executable, *worker],
                 stdout=log,
@@ -246,15 +249,19 @@ class StopSignals:
     checkpoint, the summary or the topic export. `watch` makes the broker's death a RunStopped too."""
 
     HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)  # SIGUSR1: sent by `watch`, the broker is gone
+    active: ClassVar[StopSignals | None] = None  # the handlers installed now (`held` defers them)
 
     def __init__(self) -> None:
         self.cleaning, self.stopped, self.broker_gone, self.watcher = False, None, "", None
+        self.holding, self.deferred = False, False
 
     def __enter__(self) -> StopSignals:
         self.previous = {signum: signal.signal(signum, self.handle) for signum in self.HANDLED}
+        StopSignals.active = self
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        StopSignals.active = None
         if self.watcher is not None:  # ends with the broker, which the cleanup stopped: no SIGUSR1 after this
             self.watcher.join(timeout=1)
         for signum, handler in self.previous.items():
@@ -268,7 +275,28 @@ class StopSignals:
             self.stopped = RunStopped("failed", self.broker_gone, 1)
         else:
             self.stopped = RunStopped("stopped", f"{signal.Signals(signum).name} received", 128 + signum)
+        if self.holding:
+            self.deferred = True
+            return
         raise self.stopped
+
+    @classmethod
+    @contextlib.contextmanager
+    def held(cls) -> Iterator[None]:
+        """A stop that arrives inside the block is raised at its end. Raised inside Popen, it left the process
+        started but unrecorded (`WorkerProcess.process` None): never stopped, and the cleanup failed on it."""
+        stops = cls.active
+        if stops is None or stops.holding:
+            yield
+            return
+        stops.holding = True
+        try:
+            yield
+        finally:
+            stops.holding = False
+        if stops.deferred and not stops.cleaning:
+            stops.deferred = False
+            raise stops.stopped
 
     def watch(self, broker: EmbeddedBroker) -> None:
         """A thread that sends the main thread SIGUSR1 when the broker exits before the cleanup stops it."""
@@ -359,6 +387,7 @@ class LocalRun:
         evaluator = next((w for w in self.workers if w.role == "eval"), None)
         if evaluator is None or evaluator.process.poll() is not None:  # no step, no evaluation set, or it failed
             return
+        restore_priority(evaluator.process.pid)  # the cores are its own now
         if version is not None:
             self.evaluation.ask(version, wait_s=0)
         self.evaluation.close()
@@ -390,15 +419,17 @@ class LocalRun:
         """The workers in STOP_ORDER (the trainer last: it checkpoints), the topics' export, then the broker."""
         if self.broker is not None and not self.broker.running:
             stop_at_once(self.workers, BROKER_GONE_STOP_S)
-        for role in STOP_ORDER:
-            for worker in self.workers:
-                if worker.role == role:
-                    worker.stop()
-        self.finish_evaluation()
-        if self.broker is not None:
-            if self.broker.running and self.config_path:  # a dead broker took its topics with it
-                export_topics_quietly(self.config, self.run_dir)  # the broker keeps them in memory only
-            self.broker.stop()
+        try:
+            for role in STOP_ORDER:
+                for worker in self.workers:
+                    if worker.role == role:
+                        worker.stop()
+            self.finish_evaluation()
+        finally:  # whatever failed above, no broker is left behind
+            if self.broker is not None:
+                if self.broker.running and self.config_path:  # a dead broker took its topics with it
+                    export_topics_quietly(self.config, self.run_dir)  # the broker keeps them in memory only
+                self.broker.stop()
 
 
 def import_run_topics(config: RunConfig) -> None:

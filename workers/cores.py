@@ -14,6 +14,7 @@ worker never keeps a core.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -30,8 +31,22 @@ def lower_priority() -> None:
     if not hasattr(os, "SCHED_IDLE"):
         os.nice(19)
         return
-    for thread in os.listdir("/proc/self/task"):
-        os.sched_setscheduler(int(thread), os.SCHED_IDLE, os.sched_param(0))
+    set_policy("self", os.SCHED_IDLE)
+
+
+def restore_priority(pid: int) -> None:
+    """Process `pid`'s threads back from SCHED_IDLE to the normal policy where this process may (CAP_SYS_NICE,
+    as root, or an RLIMIT_NICE of 20; measured: an unprivileged owner may not): once it alone wants the cores,
+    an idle-class process would still wait behind any busy process of anyone's on the machine."""
+    if hasattr(os, "SCHED_IDLE"):
+        with contextlib.suppress(FileNotFoundError, PermissionError):  # it has exited; not ours to raise
+            set_policy(str(pid), os.SCHED_OTHER)
+
+
+def set_policy(process: str, policy: int) -> None:
+    for thread in os.listdir(f"/proc/{process}/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setscheduler(int(thread), policy, os.sched_param(0))
 
 
 def cores_here() -> int:
