@@ -26,7 +26,7 @@ demo: install
 
 # everything but the tests marked `docker` (compose-test)
 test: install-test
-	$(BIN)/python -m pytest -q -m "not docker and not chaos" --durations=15
+	$(BIN)/python -m pytest -q -m "not docker and not chaos" --durations=30
 
 # the quick loop (~20 s on 2 cores): tests/unit, less anything marked e2e or slow
 test-unit: install-test

@@ -354,12 +354,12 @@ class LocalRun:
         self.config, self.config_path = prepare(self.config, progress)
         link_latest(self.run_dir)
         self.metrics_offset = monitor.note_start(self.run_dir, self.resumed_from)
-        if eval_rows is None:
-            print(NO_EVAL_SET, file=sys.stderr)
-        else:
+        if eval_rows is not None:
             self.evaluation = EvalRequests(self.run_dir, runtime.weights_dir(self.config))
             if self.resumed_from is None:
                 self.evaluation.ask(0)
+        elif self.config.eval.enabled:
+            print(NO_EVAL_SET, file=sys.stderr)
         roles = ["trainer", "reward", "prompts"] + ["rollout"] * self.config.rollout.workers
         for index, role in enumerate(roles):
             ranks = self.config.trainer.ranks if role == "trainer" else 1
@@ -500,7 +500,8 @@ def run_locally(config: RunConfig, progress: bool, stops: StopSignals, resumed_f
     started = time.time()
     check_dataset(config)
     check_wandb(config)
-    eval_rows = rows_for_config(config)  # before anything starts: a missing data.eval_source is a config error
+    # before anything starts: a missing data.eval_source is a config error
+    eval_rows = rows_for_config(config) if config.eval.enabled else None
     config = new_run_dir(config) if resumed_from is None else config
     run_dir = runtime.run_dir(config)
     resumed = "" if resumed_from is None else f", resumed from the checkpoint of step {resumed_from}"

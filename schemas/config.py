@@ -292,6 +292,9 @@ class TrainerConfig(Section):
 
 
 class EvalConfig(Section):
+    enabled: Annotated[
+        bool, doc("false: no held-out evaluation at all (no evaluator process; summary.json's accuracies null)")
+    ] = True
     every: Annotated[int, doc("evaluate the held-out set every N versions; 0 = only first/last", ge=0)] = 50
     k: Annotated[
         int, doc("sampled completions per prompt beside the greedy one (pass@k, maj@k); 0 = greedy only", ge=0)

@@ -31,7 +31,7 @@ SMALL_RUN = [
     f"data.n_samples={SAMPLES}",
     "model.warmup_steps=0",
     "rollout.max_new_tokens=40",
-    "eval.every=0",
+    "eval.enabled=false",  # ~8 s a run of waiting for the evaluator: tests/e2e/test_eval_in_run.py tests it
     "trainer.checkpoint.every=5",
     "trainer.skip_uniform_groups=0",  # every group trains: these tests count groups and records
 ]
@@ -121,6 +121,9 @@ async def test_async_pipeline_end_to_end(broker, tmp_path, unique_name):
     assert len(list((run_dir / "cores").glob("*/core-*"))) == 2  # the ledger the two workers shared
     assert summary["interrupted_trajectories"] > 0
     assert summary["max_staleness_trained"] <= eta
+    # eval.enabled=false: no evaluator, no eval line, and no accuracy, not even the base model's
+    assert summary["base_accuracy"] is None and summary["final_accuracy"] is None
+    assert not any(line["source"] == "eval" for line in steps) and not (run_dir / "logs" / "eval-0.stdout").exists()
     for artifact in ("curves.png", "metrics.jsonl", "config.yaml", "tensorboard"):
         assert (run_dir / artifact).exists(), artifact
     assert {p.name.split("-")[0] for p in (run_dir / "logs").glob("*.jsonl")} == {
