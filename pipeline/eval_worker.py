@@ -7,7 +7,9 @@ the queue oldest first with `pipeline.evaluate`: the version's `eval` line in me
 rows in `eval/v<version>.jsonl`. It runs under SCHED_IDLE, so the kernel gives it a core only when
 no other process wants one: an evaluation takes (almost) nothing from the trainer and the rollout
 workers (README, Benchmarks); it falls behind instead and catches up when they wait, or once they
-have stopped (the launcher asks for the final version, then waits for the queue to empty). A
+have stopped (the launcher asks for the final version, then waits for the queue to empty; the
+evaluator then takes the normal policy back where it may: idle-class, it would wait behind any busy
+process on the machine). A
 version that cannot be scored is dropped with the reason in its log: it costs a point of the curve,
 never the run. Its main thread scores: math-verify times itself with SIGALRM, which only the main
 thread may use.
@@ -24,7 +26,7 @@ from pathlib import Path
 
 from schemas.config import RunConfig
 from workers import runtime
-from workers.cores import lower_priority
+from workers.cores import lower_priority, restore_priority
 from workers.weights import version_path
 
 BASE = "v000000.base"  # a request for the model as loaded (version 0): there is no file to link
@@ -130,6 +132,8 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
     evaluator = Evaluator.for_config(config)
     while not stop.is_set():
         done = (queue / DONE).exists()  # before the queue is read: every request was in before it
+        if done:  # the workers have stopped: the cores are its own now
+            restore_priority(os.getpid())
         pending = queued(queue)
         if pending:
             request, version = pending[0], version_of(pending[0])

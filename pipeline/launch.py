@@ -34,7 +34,7 @@ from pipeline.config import ConfigError, derived_weights_dir, load_config, on_on
 from schemas.config import RunConfig
 from topics.broker import die_with_parent
 from workers import runtime
-from workers.cores import lower_priority, restore_priority
+from workers.cores import lower_priority
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -235,8 +235,9 @@ def export_topics_quietly(config: RunConfig, run_dir: Path) -> None:
 
 
 class RunStopped(KeyboardInterrupt):
-    """Raised in the launcher's main thread wherever it is (the warm-up included) by a stop signal or the
-    embedded broker's death, so that the run ends through the same cleanup as any other, without a traceback."""
+    """Raised in the launcher's main thread wherever it is (the warm-up included; a process being started:
+    once it is recorded, `StopSignals.held`) by a stop signal or the embedded broker's death, so that the run
+    ends through the same cleanup as any other, without a traceback."""
 
     def __init__(self, outcome: str, reason: str, exit_code: int):
         super().__init__(reason)
@@ -244,9 +245,10 @@ class RunStopped(KeyboardInterrupt):
 
 
 class StopSignals:
-    """SIGINT and SIGTERM while `asyncrl run` runs: the first one raises RunStopped (exit code 128 + N). Once
-    the cleanup has begun (`cleaning`) a signal only says so: a second Ctrl-C never cuts short the workers'
-    checkpoint, the summary or the topic export. `watch` makes the broker's death a RunStopped too."""
+    """SIGINT and SIGTERM while `asyncrl run` runs: the first one raises RunStopped (exit code 128 + N; inside
+    `held`, at the block's end). Once the cleanup has begun (`cleaning`) a signal only says so: a second Ctrl-C
+    never cuts short the workers' checkpoint, the summary or the topic export. `watch` makes the broker's death
+    a RunStopped too."""
 
     HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)  # SIGUSR1: sent by `watch`, the broker is gone
     active: ClassVar[StopSignals | None] = None  # the handlers installed now (`held` defers them)
@@ -294,8 +296,8 @@ class StopSignals:
             yield
         finally:
             stops.holding = False
-        if stops.deferred and not stops.cleaning:
-            stops.deferred = False
+            deferred, stops.deferred = stops.deferred, False
+        if deferred:
             raise stops.stopped
 
     def watch(self, broker: EmbeddedBroker) -> None:
@@ -385,9 +387,8 @@ class LocalRun:
         if version is not None and not any(w.role == "eval" for w in self.workers):
             self.start_evaluator()  # the run ended before the monitor saw its first step
         evaluator = next((w for w in self.workers if w.role == "eval"), None)
-        if evaluator is None or evaluator.process.poll() is not None:  # no step, no evaluation set, or it failed
+        if evaluator is None or evaluator.process is None or evaluator.process.poll() is not None:  # none, or failed
             return
-        restore_priority(evaluator.process.pid)  # the cores are its own now
         if version is not None:
             self.evaluation.ask(version, wait_s=0)
         self.evaluation.close()
@@ -407,7 +408,8 @@ class LocalRun:
         come back from its export first, and config.yaml names the new address (prepare reads it back)."""
         from topics.broker import EmbeddedBroker
 
-        self.broker = EmbeddedBroker(self.run_dir / "broker.log").start()
+        with StopSignals.held():  # a stop inside its Popen would leave it running unrecorded
+            self.broker = EmbeddedBroker(self.run_dir / "broker.log").start()
         stops.watch(self.broker)
         broker = msgspec.structs.replace(self.config.broker, bootstrap=self.broker.bootstrap, embedded=True)
         self.config = msgspec.structs.replace(self.config, broker=broker)

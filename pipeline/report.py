@@ -56,7 +56,8 @@ def plot_eval(ax, lines: list[dict]) -> None:
     ax.set_ylabel("evaluation accuracy")
     ax.set_ylim(0, 1)
     if not any(l["source"] == "eval" for l in lines):
-        ax.text(0.5, 0.5, "no evaluation set (data.eval_source)", transform=ax.transAxes, ha="center", va="center")
+        nothing = "no evaluation (no data.eval_source, or eval.enabled=false)"
+        ax.text(0.5, 0.5, nothing, transform=ax.transAxes, ha="center", va="center")
     if k:
         ax.legend(loc="upper left", ncols=4)
 
