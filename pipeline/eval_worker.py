@@ -9,10 +9,9 @@ no other process wants one: an evaluation takes (almost) nothing from the traine
 workers (README, Benchmarks); it falls behind instead and catches up when they wait, or once they
 have stopped (the launcher asks for the final version, then waits for the queue to empty; the
 evaluator then takes the normal policy back where it may: idle-class, it would wait behind any busy
-process on the machine). A
-version that cannot be scored is dropped with the reason in its log: it costs a point of the curve,
-never the run. Its main thread scores: math-verify times itself with SIGALRM, which only the main
-thread may use.
+process on the machine). A version that cannot be scored is dropped with the reason in its log: it
+costs a point of the curve, never the run. Its main thread scores: math-verify times itself with
+SIGALRM, which only the main thread may use.
 """
 
 from __future__ import annotations
