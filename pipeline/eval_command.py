@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import ConfigError, load_config
-from pipeline.evaluate import EvalSettings, Evaluator, file_rows, make_scorer, task_rows, write_rows
+from pipeline.eval_set import file_rows, task_rows
+from pipeline.evaluate import EvalSettings, Evaluator, make_scorer, write_rows
 from schemas.config import DataConfig, RunConfig
-from workers.prompt_source import Row
+from workers.rows import Row
 from workers.weights import WeightsError
 
 DEFAULT_MAX_NEW_TOKENS = 512  # a dataset file with no run and no task: long enough for short reasoning
@@ -105,7 +106,7 @@ def kept_versions(directory: Path) -> list[int]:
 
 def run_target(run_dir: Path, run: RunConfig, version: str) -> Target:
     """The run's model and the file of `version` ('latest', N; 0 = the base model unless a v0 file exists)."""
-    from workers.weights import version_path
+    from workers.runtime import version_path
 
     base = model_dir(run.model.path) if Path(run.model.path).is_dir() else None
     directory = weights_dir(run_dir, run)

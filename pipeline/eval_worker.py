@@ -26,7 +26,6 @@ from pathlib import Path
 from schemas.config import RunConfig
 from workers import runtime
 from workers.cores import lower_priority, restore_priority
-from workers.weights import version_path
 
 BASE = "v000000.base"  # a request for the model as loaded (version 0): there is no file to link
 DONE = "done"  # the launcher's last request is in: exit once the queue is empty
@@ -84,7 +83,7 @@ class EvalRequests:
         """Link every version asked for whose file is there; the versions given up on."""
         dropped = []
         for version, deadline in sorted(self.waiting.items()):
-            source = version_path(self.weights_dir, version)
+            source = runtime.version_path(self.weights_dir, version)
             try:
                 link(source, self.queue / source.name)
             except FileNotFoundError:

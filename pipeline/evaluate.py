@@ -27,14 +27,15 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from pipeline.config import ConfigError
+from pipeline.eval_set import rows_for_config
+from pipeline.stats import percentile
 from schemas.config import RunConfig
 from workers.models import encode_prompt, load_causal_lm
-from workers.prompt_source import Row, read_rows, rows_of
 from workers.reward import functions
 from workers.rollout.engine import Engine
 from workers.rollout.protocol import SamplingParams, check_request, generate_all
 from workers.rollout.workflow import call_token_of, generate_turns, load_workflow
-from workers.tasks import load_task
+from workers.rows import Row
 from workers.weights import load_into, read_version
 
 CORRECT_AT = 1.0  # full credit: the built-in verifiers give 1.0 for a right answer, 0.0 otherwise
@@ -55,17 +56,6 @@ def majority(keys: Sequence[str]) -> int:
     """Index of the sample whose answer is the most common one; a tie goes to the answer seen first."""
     counts = Counter(keys)  # insertion order = first occurrence, and max() keeps the first of equal counts
     return list(keys).index(max(counts, key=counts.__getitem__))
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile with linear interpolation between ranks (numpy's default); 0.0 for no values."""
-    ordered = sorted(values)
-    if not ordered:
-        return 0.0
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def correct(score: float) -> bool:
@@ -95,47 +85,6 @@ def summarise(rows: list[dict], k: int, temperature: float) -> dict:
         summary["pass_at_k"] = sum(pass_at_k(k, r["correct"], k) for r in rows) / n
         summary["maj_at_k"] = sum(correct(r["majority_score"]) for r in rows) / n
     return summary
-
-
-# ---- rows ----
-
-
-def task_rows(spec: str, seed: int, held_out: int) -> list[Row]:
-    """The held-out split of a task, as the run that trained on the rest of it split it."""
-    return rows_of(load_task(spec).split(seed, held_out)[1])
-
-
-def file_rows(path: str, what: str) -> list[Row]:
-    """Usable rows of a file, ConfigError when there are none; bad rows are named on stderr and skipped."""
-    try:
-        rows, bad = read_rows(path)
-    except OSError as exc:
-        raise ConfigError(f"{what} {path}: {exc.strerror or exc}") from None
-    except Exception as exc:  # pyarrow: not a Parquet file, a broken one
-        raise ConfigError(f"{what} {path}: {type(exc).__name__}: {exc}") from None
-    if bad:
-        print(f"asyncrl: {what} {path}: {len(bad)} bad rows skipped ({bad[0]}, ...)", file=sys.stderr)
-    if not rows:
-        raise ConfigError(f"{what} {path} has no usable row")
-    return rows
-
-
-def rows_for_config(config: RunConfig) -> list[Row] | None:
-    """A run's evaluation set: data.eval_source, else the task's held-out split for the task's own rows,
-    else None (a dataset file with no eval_source has nothing held out)."""
-    if config.data.eval_source:
-        rows = file_rows(config.data.eval_source, "data.eval_source")
-    elif config.data.source == "builtin":
-        rows = task_rows(config.data.task, config.seed, config.data.held_out)
-    else:
-        return None
-    return rows[: config.eval.max_rows] if config.eval.max_rows else rows
-
-
-NO_EVAL_SET = (
-    "asyncrl: no evaluation set (data.source is a file and data.eval_source is empty): base and final accuracy "
-    "stay null; add data.eval_source=held_out.jsonl (prompt/answer rows, JSONL or Parquet) to measure them"
-)
 
 
 # ---- the evaluator ----

@@ -42,7 +42,7 @@ def on_disk(configured: str, fallback: Path) -> Path:
 
 def pick_version(weights_dir: Path, version: int | None) -> tuple[Path, int]:
     """The file of `version` (None: the newest on disk) and its number; ConfigError when it is gone."""
-    from workers.weights import version_path
+    from workers.runtime import version_path
 
     kept = sorted(int(p.stem[1:]) for p in weights_dir.glob("v*.safetensors") if p.stem[1:].isdigit())
     if not kept:

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from pipeline.config import ConfigError
 from pipeline.eval_worker import EvalRequests
-from pipeline.evaluate import percentile
+from pipeline.stats import percentile
 from schemas.config import RunConfig
 from workers import runtime
 from workers.reward.budget import EXIT_CODE as REWARD_BUDGET_EXIT

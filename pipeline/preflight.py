@@ -111,7 +111,8 @@ def check_model(config: RunConfig, model) -> None:
 def usable_rows(config: RunConfig, tokenizer):
     """The rows the model can take; the others counted on the console (their dead-letters are the prompt
     source's); ConfigError when there are none."""
-    from workers.prompt_source import fit_rows, load_rows
+    from workers.prompt_source import fit_rows
+    from workers.rows import load_rows
 
     rows, _ = load_rows(config)  # rows that do not parse: `check_dataset` already counted on their dead-letters
     fit, unfit = fit_rows(config, tokenizer, rows)

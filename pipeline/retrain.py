@@ -23,7 +23,7 @@ from workers import runtime
 from workers.trainer import checkpoint
 from workers.trainer.buffer import GroupBuffer
 from workers.trainer.model import Trainer, checkpoints_dir
-from workers.weights import read_version, version_path
+from workers.weights import read_version
 
 
 class RetrainError(LookupError):
@@ -59,7 +59,7 @@ def groups_of(manifest: BatchManifest, scored: dict[tuple[int, int], Scored]) ->
 
 def recorded_weights(config: RunConfig, step: int) -> tuple[Path, dict[str, torch.Tensor]]:
     """Version `step` as the run kept it: the published weights, else a checkpoint of that step."""
-    path = version_path(runtime.weights_dir(config), step)
+    path = runtime.version_path(runtime.weights_dir(config), step)
     if path.exists():
         return path, read_version(path)
     saved = checkpoints_dir(config) / f"step_{step:06d}.pt"

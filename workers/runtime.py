@@ -43,6 +43,11 @@ def weights_dir(config: RunConfig) -> Path:
     return Path(config.trainer.checkpoint.weights_dir)
 
 
+def version_path(weights_dir: Path, version: int) -> Path:
+    """Where version `version`'s weights file lives (torch-free: the launcher names files without importing torch)."""
+    return weights_dir / f"v{version:06d}.safetensors"
+
+
 def node_name() -> str:
     """The node this process runs on: Slurm's name for it in a job step (nodes may share a host name), else
     the host's name."""

@@ -23,6 +23,8 @@ from typing import BinaryIO
 import safetensors.torch
 import torch
 
+from workers.runtime import version_path
+
 
 def unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """state_dict on CPU with every shared storage kept under its first name only."""
@@ -159,10 +161,6 @@ def missing(path: Path, version: int) -> str:
 def check_hash(path: Path, version: int, actual: str, expected: str) -> None:
     if actual != expected:
         raise WeightsError(f"weights v{version}: {path} has sha256 {actual[:16]}..., announced {expected[:16]}...")
-
-
-def version_path(weights_dir: Path, version: int) -> Path:
-    return weights_dir / f"v{version:06d}.safetensors"
 
 
 def write_version(tensors: dict[str, torch.Tensor], weights_dir: Path, version: int, keep: int) -> tuple[Path, str]:

@@ -236,7 +236,7 @@ def run_peer(config: RunConfig, threads: int, eval_every: int, out_dir: Path, pr
 
 def task_rows_for_training(config: RunConfig) -> list:
     """The task's training split, as the run's prompt source reads it (same seed and held-out size)."""
-    from workers.prompt_source import rows_of
+    from workers.rows import rows_of
     from workers.tasks import load_task
 
     return rows_of(load_task(config.data.task).split(config.seed, config.data.held_out)[0])

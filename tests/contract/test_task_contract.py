@@ -68,7 +68,7 @@ def test_demo_model_can_hold_and_spell_every_problem(user_task_spec):
 
 def test_a_user_task_file_runs_by_path(user_task_spec):
     from pipeline.launch import check_dataset
-    from workers.prompt_source import load_rows
+    from workers.rows import load_rows
 
     config = resolve(load_config(None, [f"data.task={user_task_spec}", "data.held_out=10"]))
     assert config.rollout.max_new_tokens == 4  # the task's default

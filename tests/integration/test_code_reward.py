@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from workers.prompt_source import parse_row
 from workers.reward import functions
 from workers.reward.code import check_asserts, partial_code_reward
+from workers.rows import parse_row
 from workers.tasks import EOS_TEXT, load_task
 from workers.tasks.code import parse, solution
 

@@ -33,10 +33,11 @@ from pipeline.export_model import export_final, export_model
 from schemas.messages import PromptGroup, Scored
 from workers import runtime
 from workers.models import encode_prompt
-from workers.prompt_source import INITIAL, Source, load_rows
+from workers.prompt_source import INITIAL, Source
 from workers.rollout.engine import DirectForward, HFForward
 from workers.rollout.protocol import SamplingParams, generate_all
 from workers.rollout.worker import make_engine
+from workers.rows import load_rows
 from workers.trainer.buffer import Group
 from workers.trainer.model import Trainer
 from workers.weights import WeightsFile, read_version

@@ -10,7 +10,7 @@ from pipeline.bench import build_demo_model, peer, task_config, with_model
 from pipeline.cli import build_parser, main
 from pipeline.config import ConfigError, resolve
 from pipeline.evaluate import make_scorer
-from workers.prompt_source import Row
+from workers.rows import Row
 
 
 def curve(*points: tuple[float, float]) -> list[dict]:

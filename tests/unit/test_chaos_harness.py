@@ -20,7 +20,8 @@ from pipeline.chaos.rows import task_rows, write_dataset
 from pipeline.config import load_config, resolve
 from pipeline.demo_model import build_model, build_tokenizer
 from schemas.messages import TOPIC_MESSAGE, BatchManifest, DroppedGroup, PromptGroup, WeightVersion
-from workers.prompt_source import fit_rows, read_rows
+from workers.prompt_source import fit_rows
+from workers.rows import read_rows
 
 GROUP = PromptGroup(
     prompt_id="e0-r5", row_index=5, epoch=0, release_index=7, released_at_version=1, prompt_text="12+3=",

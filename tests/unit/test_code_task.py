@@ -6,7 +6,7 @@ import pytest
 from fixed_draws import Draws
 
 from pipeline.config import ConfigError, load_config, resolve
-from workers.prompt_source import load_rows
+from workers.rows import load_rows
 from workers.tasks import EOS_TEXT
 from workers.tasks.code import (
     OPS,

@@ -7,7 +7,8 @@ from math import comb
 
 import pytest
 
-from pipeline.evaluate import majority, pass_at_k, percentile, summarise
+from pipeline.evaluate import majority, pass_at_k, summarise
+from pipeline.stats import percentile
 from workers.reward.functions import answer_key
 
 

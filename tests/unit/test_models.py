@@ -19,9 +19,10 @@ from workers.models import (
     encode_prompt,
     load_causal_lm,
 )
-from workers.prompt_source import INITIAL, Source, load_rows
+from workers.prompt_source import INITIAL, Source
 from workers.rollout.engine import Engine
 from workers.rollout.protocol import SamplingParams, generate_all
+from workers.rows import load_rows
 from workers.trainer.losses import LossSettings
 from workers.trainer.step import StepSettings, collate, train_step
 

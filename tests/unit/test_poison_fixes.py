@@ -15,8 +15,8 @@ from schemas.messages import BatchManifest, DeadLetter, PromptGroup, Scored, Seg
 from topics.assembly import SegmentAssembler
 from topics.memory import MemoryTransport
 from topics.names import TopicLayout
-from workers.prompt_source import read_rows
 from workers.reward import worker as reward_worker
+from workers.rows import read_rows
 from workers.trainer import worker as trainer_worker
 
 GROUP = PromptGroup(

@@ -3,7 +3,8 @@ import msgspec
 from pipeline.config import load_config
 from pipeline.demo_model import build_tokenizer
 from schemas.messages import WeightVersion
-from workers.prompt_source import INITIAL, Row, Source
+from workers.prompt_source import INITIAL, Source
+from workers.rows import Row
 from workers.staleness import admissible, may_release
 
 

@@ -1,0 +1,49 @@
+"""A run's evaluation set: data.eval_source, else its task's held-out split. Free of torch: the launcher
+reads it before anything starts (a missing file is a config error then, not a failed evaluator later)."""
+
+from __future__ import annotations
+
+import sys
+
+from pipeline.config import ConfigError
+from schemas.config import RunConfig
+from workers.rows import Row, read_rows, rows_of
+from workers.tasks import load_task
+
+
+def task_rows(spec: str, seed: int, held_out: int) -> list[Row]:
+    """The held-out split of a task, as the run that trained on the rest of it split it."""
+    return rows_of(load_task(spec).split(seed, held_out)[1])
+
+
+def file_rows(path: str, what: str) -> list[Row]:
+    """Usable rows of a file, ConfigError when there are none; bad rows are named on stderr and skipped."""
+    try:
+        rows, bad = read_rows(path)
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: {exc.strerror or exc}") from None
+    except Exception as exc:  # pyarrow: not a Parquet file, a broken one
+        raise ConfigError(f"{what} {path}: {type(exc).__name__}: {exc}") from None
+    if bad:
+        print(f"asyncrl: {what} {path}: {len(bad)} bad rows skipped ({bad[0]}, ...)", file=sys.stderr)
+    if not rows:
+        raise ConfigError(f"{what} {path} has no usable row")
+    return rows
+
+
+def rows_for_config(config: RunConfig) -> list[Row] | None:
+    """A run's evaluation set: data.eval_source, else the task's held-out split for the task's own rows,
+    else None (a dataset file with no eval_source has nothing held out)."""
+    if config.data.eval_source:
+        rows = file_rows(config.data.eval_source, "data.eval_source")
+    elif config.data.source == "builtin":
+        rows = task_rows(config.data.task, config.seed, config.data.held_out)
+    else:
+        return None
+    return rows[: config.eval.max_rows] if config.eval.max_rows else rows
+
+
+NO_EVAL_SET = (
+    "asyncrl: no evaluation set (data.source is a file and data.eval_source is empty): base and final accuracy "
+    "stay null; add data.eval_source=held_out.jsonl (prompt/answer rows, JSONL or Parquet) to measure them"
+)
