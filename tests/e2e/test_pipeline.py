@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,7 @@ SMALL_RUN = [
     "rollout.max_new_tokens=40",
     "eval.enabled=false",  # ~8 s a run of waiting for the evaluator: tests/e2e/test_eval_in_run.py tests it
     "trainer.checkpoint.every=5",
-    "trainer.skip_uniform_groups=0",  # every group trains: these tests count groups and records
+    "trainer.skip_uniform_groups=0",  # every group trains (async_run drops some): the tests count groups
 ]
 
 
@@ -74,19 +75,33 @@ async def trained_view(bootstrap: str, prefix: str):
     return manifests, trained, released
 
 
-async def test_async_pipeline_end_to_end(broker, tmp_path, unique_name):
-    prefix, eta = unique_name("async") + ".", 4
-    lending = ["cores=2", "trainer.borrow_cores=true"]  # the rollout worker lends its core while idle
-    profile = ["profile.roles=[trainer,rollout]", "profile.start=2", "profile.steps=2"]
+ETA, SKIP_CAP = 4, 2
+
+
+@pytest.fixture(scope="module")
+def async_run(broker, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """One asynchronous run that two tests read (a run is most of a test's time): η = 4, the rollout worker
+    lending its core while idle, two steps of each of two roles profiled, every span traced, and groups
+    without advantage dropped (up to SKIP_CAP a step) and replaced. Its run directory and topic prefix."""
+    prefix = f"async-{uuid.uuid4().hex[:8]}."
     run_dir = run_pipeline(
-        tmp_path,
+        tmp_path_factory.mktemp("async"),
         broker.bootstrap,
         prefix,
-        f"trainer.max_staleness={eta}",
+        f"trainer.max_staleness={ETA}",
         "telemetry.sample_ratio=1",
-        *lending,
-        *profile,
+        "cores=2",
+        "trainer.borrow_cores=true",
+        "profile.roles=[trainer,rollout]",
+        "profile.start=2",
+        "profile.steps=2",
+        f"trainer.skip_uniform_groups={SKIP_CAP}",
     )
+    return run_dir, prefix
+
+
+async def test_async_pipeline_end_to_end(broker, async_run):
+    (run_dir, prefix), eta = async_run, ETA
     manifests, trained, released = await trained_view(broker.bootstrap, prefix)
 
     assert sorted(m.step for m in manifests) == list(range(1, STEPS + 1))
@@ -184,12 +199,11 @@ async def test_eta_zero_is_synchronous(broker, tmp_path, unique_name):
         assert released[scored.prompt_id].released_at_version == manifest.trainer_version
 
 
-async def test_groups_without_advantage_are_dropped_and_replaced(broker, tmp_path, unique_name):
+async def test_groups_without_advantage_are_dropped_and_replaced(broker, async_run):
     """`trainer.skip_uniform_groups` on the real broker: the untrained model's groups all score 0,
     so each version drops up to the cap, the prompt source releases one group in place of each, and every
     released group still ends trained or recorded as dropped."""
-    prefix, cap = unique_name("skip") + ".", 2
-    run_dir = run_pipeline(tmp_path, broker.bootstrap, prefix, f"trainer.skip_uniform_groups={cap}")
+    (run_dir, prefix), cap = async_run, SKIP_CAP
     manifests, trained, released = await trained_view(broker.bootstrap, prefix)
 
     no_advantage = f"uniform: all {SAMPLES} samples scored"

@@ -461,15 +461,10 @@ def test_a_run_on_the_embedded_broker_completes(slurm_cluster, tmp_path):
     assert again.returncode == 1 and "resuming needs an external Kafka" in again.stderr
 
 
-@pytest.mark.e2e
-@pytest.mark.slow
-def test_three_nodes_place_every_role_and_resume_after_scancel(slurm_cluster, broker, tmp_path, unique_name):
-    """--nodes 3 --trainer-nodes 2 on an external broker (the session's): the trainer's two ranks meet through
-    c10d across nodes 0 and 1, the rollout worker runs on node 2. scancel stops every step on every node; the
-    same run name submitted again resumes from the checkpoint; every step is trained once, and the weights are
-    those of one process training the same batches."""
-    steps, runs, prefix = 8, tmp_path / "runs", unique_name("nodes") + "."
-    arguments = [
+def three_nodes(broker, runs: Path, prefix: str, steps: int) -> list[str]:
+    """`asyncrl slurm` arguments: --nodes 3 --trainer-nodes 2 on an external broker (the session's), run `spread`,
+    a checkpoint every 2 steps, rewards that differ within a group so that every step moves the weights."""
+    return [
         f"--shared={runs}",
         "--nodes=3",
         "--trainer-nodes=2",
@@ -479,11 +474,52 @@ def test_three_nodes_place_every_role_and_resume_after_scancel(slurm_cluster, br
         f"trainer.steps={steps}",
         "trainer.checkpoint.every=2",
         "trainer.optim.lr=1e-3",  # a step trained twice or a lost optimizer state would move weights by ~1e-3
-        "data.reward=reward_plugins:coin",  # rewards that differ within a group: the steps update weights
+        "data.reward=reward_plugins:coin",
         *SMALL_RUN,
     ]
+
+
+def assert_trained_once_like_one_process(broker, run_dir: Path, prefix: str, steps: int, tmp_path: Path) -> None:
+    """Every step trained once, nothing lost or trained twice (the topics' audit), and the final weights those of
+    one process that trained the batches the run recorded."""
+    export = tmp_path / "topics.export"
+    asyncio.run(export_topics(broker.bootstrap, export, prefix))
+    audit = audit_export(export, steps, load_key(run_dir))
+    assert audit.ok and audit.trained_groups == steps * 2, audit
+    # the tolerance of tests/e2e/test_trainer_resume.py: two ranks sum in another order than one process
+    differences = one_process_differences(run_dir, export, steps, tmp_path / "one-process")
+    assert max(differences.values()) <= 5e-5, differences
+    trained = [line for line in map(json.loads, (run_dir / "metrics.jsonl").open()) if line["source"] == "trainer"]
+    assert sum(line["grad_norm"] > 0 for line in trained) > steps // 2  # the weights compared are trained ones
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_three_nodes_place_every_role_and_train_like_one_process(slurm_cluster, broker, tmp_path, unique_name):
+    """The trainer's two ranks meet through c10d across nodes 0 and 1, the rollout worker runs on node 2, and
+    the run trains as one process would. Stopped by scancel and resumed: the chaos variant below."""
+    steps, runs = 8, tmp_path / "runs"
     cluster = Cluster({**slurm_cluster.env, "PYTHONPATH": str(ROOT / "tests" / "integration")})  # for the reward
-    run_dir = runs / "spread"
+    prefix, run_dir = unique_name("nodes") + ".", runs / "spread"
+    job = completed(cluster, three_nodes(broker, runs, prefix, steps), tmp_path, run_dir)
+    assert cluster.job(job)["NodeList"] == NODE_LIST
+    assert_placed(run_dir, jobs=1)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["outcome"], summary["steps"], summary["resumed_from"]) == ("finished", steps, [])
+    assert summary["trained_trajectories"] == steps * 2 * 4 and Path(summary["exported_model"]).is_dir()
+    assert_trained_once_like_one_process(broker, run_dir, prefix, steps, tmp_path)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.chaos  # ~100 s on 2 cores; its short version in make test: the test above
+def test_three_nodes_resume_after_scancel(slurm_cluster, broker, tmp_path, unique_name):
+    """scancel stops every step on every node; the same run name submitted again resumes from the checkpoint;
+    every step is trained once, and the weights are those of one process training the same batches."""
+    steps, runs = 8, tmp_path / "runs"
+    cluster = Cluster({**slurm_cluster.env, "PYTHONPATH": str(ROOT / "tests" / "integration")})  # for the reward
+    prefix, run_dir = unique_name("nodes") + ".", runs / "spread"
+    arguments = three_nodes(broker, runs, prefix, steps)
     first, checkpoint = cancelled(cluster, arguments, tmp_path, run_dir, steps)
     stopped = json.loads((run_dir / "summary.json").read_text())
     assert (stopped["outcome"], stopped["reason"]) == ("stopped", "SIGTERM (scancel or the time limit)")
@@ -491,16 +527,7 @@ def test_three_nodes_place_every_role_and_resume_after_scancel(slurm_cluster, br
     assert [cluster.job(job)["NodeList"] for job in (first, second)] == [NODE_LIST] * 2
     assert_placed(run_dir, jobs=2)
     assert [start["step"] for _, start in trainer_starts(run_dir)] == [0, checkpoint]
-
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["outcome"], summary["steps"], summary["resumed_from"]) == ("finished", steps, [checkpoint])
     assert summary["trained_trajectories"] == steps * 2 * 4 and Path(summary["exported_model"]).is_dir()
-    export = tmp_path / "topics.export"
-    asyncio.run(export_topics(broker.bootstrap, export, prefix))
-    audit = audit_export(export, steps, load_key(run_dir))  # every step once, nothing lost or trained twice
-    assert audit.ok and audit.trained_groups == steps * 2, audit
-    # the tolerance of tests/e2e/test_trainer_resume.py: two ranks sum in another order than one process
-    differences = one_process_differences(run_dir, export, steps, tmp_path / "one-process")
-    assert max(differences.values()) <= 5e-5, differences
-    trained = [line for line in map(json.loads, (run_dir / "metrics.jsonl").open()) if line["source"] == "trainer"]
-    assert sum(line["grad_norm"] > 0 for line in trained) > steps // 2  # the weights compared are trained ones
+    assert_trained_once_like_one_process(broker, run_dir, prefix, steps, tmp_path)
