@@ -1,8 +1,9 @@
 """`asyncrl run`: one machine, one broker, one process per worker, one run directory.
 
-The launcher prepares the model (the demo builds and warms up its own), starts the
-embedded broker unless a bootstrap is configured, starts the workers as separate
-processes (`asyncrl worker <role>`), and from the trainer's first step the held-out
+The launcher starts the workers as separate processes on standby (`asyncrl worker <role>
+--standby`: they import their code meanwhile), starts the embedded broker unless a
+bootstrap is configured, prepares the model (the demo builds and warms up its own) and
+config.yaml, tells the workers to go, and from the trainer's first step starts the held-out
 evaluator (`pipeline.eval_worker`, on idle cores only), follows `metrics.jsonl` for the
 progress bar and asks for evaluations, and stops everything when the trainer has made its
 last step, on Ctrl-C or SIGTERM, when the embedded broker dies, or after `max_wall_s`.
@@ -57,12 +58,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are processe
 
 
 def run_worker(role: str, config_path: str, overrides: list[str], standby: bool = False) -> None:
-    """The body of `asyncrl worker <role>`: run until done or SIGTERM. On standby, the role's imports (torch,
-    transformers: ~5 CPU-seconds) run while the launcher prepares, and its `go` line (or its end) is awaited."""
-    module = importlib.import_module(WORKER_MODULES[role])
-    if standby and sys.stdin.readline() != "go\n":
-        raise SystemExit(0)  # the launcher stopped before the run started
-    config = load_config(config_path, overrides)
+    """The body of `asyncrl worker <role>`: run until done or SIGTERM. On standby, the role's imports (torch and
+    transformers: 2.5-4 CPU-seconds) run while the launcher prepares config.yaml, and its `go` line is awaited;
+    otherwise a bad config fails before them."""
+    if standby:
+        module = importlib.import_module(WORKER_MODULES[role])
+        if sys.stdin.readline() != "go\n":
+            raise SystemExit(0)  # the launcher ended before the run started
+        config = load_config(config_path, overrides)
+    else:
+        config = load_config(config_path, overrides)
+        module = importlib.import_module(WORKER_MODULES[role])
     runtime.run_until_stopped(lambda stop: module.main(resolve(config), stop))
 
 
@@ -93,13 +99,15 @@ class WorkerProcess:
             )
 
     def go(self) -> None:
-        """A worker on standby reads its config.yaml (written by now) and runs."""
-        with contextlib.suppress(BrokenPipeError):  # it died on standby: the monitor sees it as a failed worker
-            self.process.stdin.write(b"go\n")
+        """A worker on standby reads its config.yaml (written by now) and runs; any other worker is left as it is."""
+        if self.awaiting_go:
+            with contextlib.suppress(BrokenPipeError):  # it died on standby: the monitor sees a failed worker
+                self.process.stdin.write(b"go\n")
             self.process.stdin.close()
 
     @property
-    def on_standby(self) -> bool:
+    def awaiting_go(self) -> bool:
+        """Started on standby and not yet told to go (or stopped): its stdin is the launcher's open pipe."""
         return self.process is not None and self.process.stdin is not None and not self.process.stdin.closed
 
     def before_exec(self) -> None:
@@ -109,7 +117,9 @@ class WorkerProcess:
             lower_priority()
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM, then SIGKILL if it does not end in time; always reaped."""
+        """SIGTERM, then SIGKILL if it does not end in time; always reaped. A worker on standby loses its pipe."""
+        if self.awaiting_go:
+            self.process.stdin.close()
         if self.process is None or self.process.poll() is not None:
             return
         self.process.terminate()
@@ -381,11 +391,15 @@ class LocalRun:
         elif self.config.eval.enabled:
             print(NO_EVAL_SET, file=sys.stderr)
         for worker in self.workers:
-            worker.go() if worker.on_standby else worker.start()
+            if worker.awaiting_go:
+                worker.go()
+            else:
+                worker.start()
 
     def start_on_standby(self) -> None:
         """Every worker, importing its code while the launcher makes the broker, the model and the topics (a
-        trainer's FSDP2 ranks start once config.yaml is written): on 2 cores the first step comes ~4 s sooner."""
+        trainer's FSDP2 ranks start once config.yaml is written): on 2 cores a short run's first step came 1-2 s
+        sooner (three runs each way, session 29)."""
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         roles = ["trainer", "reward", "prompts"] + ["rollout"] * self.config.rollout.workers
         for index, role in enumerate(roles):
@@ -552,8 +566,7 @@ def run_locally(config: RunConfig, progress: bool, stops: StopSignals, resumed_f
     except RunStopped as stop:
         stopped, outcome = stop, stop.outcome
         before = "" if run.config_path else " before config.yaml was written (runs/latest left as it was)"
-        what = "stopping every worker" if run.workers else "stopping"
-        print(f"asyncrl: {stop.reason}{before}; {what}; run directory {run_dir}", file=sys.stderr)
+        print(f"asyncrl: {stop.reason}{before}; stopping every worker; run directory {run_dir}", file=sys.stderr)
     finally:
         stops.cleaning = True
         run.stop()
