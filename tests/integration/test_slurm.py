@@ -479,9 +479,16 @@ def three_nodes(broker, runs: Path, prefix: str, steps: int) -> list[str]:
     ]
 
 
+def coin_cluster(slurm_cluster) -> Cluster:
+    """The session's cluster, its job steps able to import tests/integration's `reward_plugins:coin`."""
+    return Cluster({**slurm_cluster.env, "PYTHONPATH": str(ROOT / "tests" / "integration")})
+
+
 def assert_trained_once_like_one_process(broker, run_dir: Path, prefix: str, steps: int, tmp_path: Path) -> None:
-    """Every step trained once, nothing lost or trained twice (the topics' audit), and the final weights those of
-    one process that trained the batches the run recorded."""
+    """Every step trained once, nothing lost or trained twice (the summary's count and the topics' audit), the
+    model exported, and the final weights those of one process that trained the batches the run recorded."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["trained_trajectories"] == steps * 2 * 4 and Path(summary["exported_model"]).is_dir()
     export = tmp_path / "topics.export"
     asyncio.run(export_topics(broker.bootstrap, export, prefix))
     audit = audit_export(export, steps, load_key(run_dir))
@@ -499,14 +506,13 @@ def test_three_nodes_place_every_role_and_train_like_one_process(slurm_cluster, 
     """The trainer's two ranks meet through c10d across nodes 0 and 1, the rollout worker runs on node 2, and
     the run trains as one process would. Stopped by scancel and resumed: the chaos variant below."""
     steps, runs = 8, tmp_path / "runs"
-    cluster = Cluster({**slurm_cluster.env, "PYTHONPATH": str(ROOT / "tests" / "integration")})  # for the reward
+    cluster = coin_cluster(slurm_cluster)
     prefix, run_dir = unique_name("nodes") + ".", runs / "spread"
     job = completed(cluster, three_nodes(broker, runs, prefix, steps), tmp_path, run_dir)
     assert cluster.job(job)["NodeList"] == NODE_LIST
     assert_placed(run_dir, jobs=1)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["outcome"], summary["steps"], summary["resumed_from"]) == ("finished", steps, [])
-    assert summary["trained_trajectories"] == steps * 2 * 4 and Path(summary["exported_model"]).is_dir()
     assert_trained_once_like_one_process(broker, run_dir, prefix, steps, tmp_path)
 
 
@@ -517,7 +523,7 @@ def test_three_nodes_resume_after_scancel(slurm_cluster, broker, tmp_path, uniqu
     """scancel stops every step on every node; the same run name submitted again resumes from the checkpoint;
     every step is trained once, and the weights are those of one process training the same batches."""
     steps, runs = 8, tmp_path / "runs"
-    cluster = Cluster({**slurm_cluster.env, "PYTHONPATH": str(ROOT / "tests" / "integration")})  # for the reward
+    cluster = coin_cluster(slurm_cluster)
     prefix, run_dir = unique_name("nodes") + ".", runs / "spread"
     arguments = three_nodes(broker, runs, prefix, steps)
     first, checkpoint = cancelled(cluster, arguments, tmp_path, run_dir, steps)
@@ -529,5 +535,4 @@ def test_three_nodes_resume_after_scancel(slurm_cluster, broker, tmp_path, uniqu
     assert [start["step"] for _, start in trainer_starts(run_dir)] == [0, checkpoint]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["outcome"], summary["steps"], summary["resumed_from"]) == ("finished", steps, [checkpoint])
-    assert summary["trained_trajectories"] == steps * 2 * 4 and Path(summary["exported_model"]).is_dir()
     assert_trained_once_like_one_process(broker, run_dir, prefix, steps, tmp_path)
