@@ -39,12 +39,6 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("role", choices=ROLES)
     worker.add_argument("--config", required=True, help="the resolved run config (runs/<name>/config.yaml)")
     worker.add_argument("overrides", nargs="*", help="dotted overrides")
-    worker.add_argument(
-        "--standby",
-        action="store_true",
-        help="import the role's code, then wait for a line on stdin before reading --config (the launcher starts "
-        "its workers while it prepares the model and topics)",
-    )
 
     broker = commands.add_parser("broker", help="run the embedded Kafka-protocol broker in the foreground")
     broker.add_argument("--port", type=int, default=None, help="loopback port (default: a free one)")
@@ -489,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "worker":
             from pipeline.launch import run_worker
 
-            run_worker(args.role, args.config, args.overrides, args.standby)
+            run_worker(args.role, args.config, args.overrides)
             return 0
         if args.command == "run" and args.resume:
             return resume_command(args)

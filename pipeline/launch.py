@@ -1,10 +1,11 @@
 """`asyncrl run`: one machine, one broker, one process per worker, one run directory.
 
-The launcher starts the workers as separate processes on standby (`asyncrl worker <role>
---standby`: they import their code meanwhile), starts the embedded broker unless a
-bootstrap is configured, prepares the model (the demo builds and warms up its own) and
-config.yaml, tells the workers to go, and from the trainer's first step starts the held-out
-evaluator (`pipeline.eval_worker`, on idle cores only), follows `metrics.jsonl` for the
+The launcher starts a fork server that imports the workers' code meanwhile, starts the
+embedded broker unless a bootstrap is configured, prepares the model (the demo builds and
+warms up its own) and config.yaml, then forks the workers from that server, each a
+process as if started as `asyncrl worker <role>` (`pipeline.forkserver`); from the
+trainer's first step it starts the held-out evaluator (`pipeline.eval_worker`, on idle
+cores only), follows `metrics.jsonl` for the
 progress bar and asks for evaluations, and stops everything when the trainer has made its
 last step, on Ctrl-C or SIGTERM, when the embedded broker dies, or after `max_wall_s`.
 `asyncrl run --resume RUN_DIR` starts a stopped, failed or killed run again from its
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, ClassVar
 import msgspec
 
 from pipeline.config import ConfigError, derived_weights_dir, load_config, on_one_machine, resolve, save_config
+from pipeline.forkserver import ForkedProcess, ForkServer
 from schemas.config import RunConfig
 from topics.broker import die_with_parent
 from workers import runtime
@@ -57,18 +59,11 @@ EVAL_STALL_S = 600.0  # an evaluator that scores no queued version for this long
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are processes already
 
 
-def run_worker(role: str, config_path: str, overrides: list[str], standby: bool = False) -> None:
-    """The body of `asyncrl worker <role>`: run until done or SIGTERM. On standby, the role's imports (torch and
-    transformers: 2.5-4 CPU-seconds) run while the launcher prepares config.yaml, and its `go` line is awaited;
-    otherwise a bad config fails before them."""
-    if standby:
-        module = importlib.import_module(WORKER_MODULES[role])
-        if sys.stdin.readline() != "go\n":
-            raise SystemExit(0)  # the launcher ended before the run started
-        config = load_config(config_path, overrides)
-    else:
-        config = load_config(config_path, overrides)
-        module = importlib.import_module(WORKER_MODULES[role])
+def run_worker(role: str, config_path: str, overrides: list[str]) -> None:
+    """The body of `asyncrl worker <role>`: run until done or SIGTERM. A bad config fails before the role's imports
+    (torch and transformers: 2.5-4 CPU-seconds; a forked worker has them already)."""
+    config = load_config(config_path, overrides)
+    module = importlib.import_module(WORKER_MODULES[role])
     runtime.run_until_stopped(lambda stop: module.main(resolve(config), stop))
 
 
@@ -79,36 +74,30 @@ class WorkerProcess:
     config_path: Path
     log_path: Path
     ranks: int = 1  # > 1: that many processes under torchrun (the trainer's FSDP2 ranks)
-    idle: bool = False  # under SCHED_IDLE from its first instruction (the evaluator: its imports alone take ~5 s)
-    process: subprocess.Popen | None = None
+    idle: bool = False  # under SCHED_IDLE from its first instruction (the evaluator)
+    forks: ForkServer | None = None  # where it is forked from, already imported (`pipeline.forkserver`)
+    process: subprocess.Popen | ForkedProcess | None = None
     restarts: int = 0
 
-    def start(self, standby: bool = False) -> None:
-        """Started; on `standby` (one rank only) it imports, then waits for `go` before reading its config."""
-        worker = ["-m", "pipeline.cli", "worker", self.role, "--config", str(self.config_path)]
-        if self.ranks > 1:  # torchrun forwards SIGTERM to its ranks and ends them all when one fails
-            worker = ["-m", "pipeline.local_torchrun", f"--nproc-per-node={self.ranks}", *worker]  # on loopback
-        with open(self.log_path, "ab") as log, StopSignals.held():
-            self.process = subprocess.Popen(
-                [sys.executable, *worker, *(["--standby"] if standby else [])],
-                stdin=subprocess.PIPE if standby else None,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=self.before_exec,
-            )
-
-    def go(self) -> None:
-        """A worker on standby reads its config.yaml (written by now) and runs; any other worker is left as it is."""
-        if self.awaiting_go:
-            with contextlib.suppress(BrokenPipeError):  # it died on standby: the monitor sees a failed worker
-                self.process.stdin.write(b"go\n")
-            self.process.stdin.close()
-
-    @property
-    def awaiting_go(self) -> bool:
-        """Started on standby and not yet told to go (or stopped): its stdin is the launcher's open pipe."""
-        return self.process is not None and self.process.stdin is not None and not self.process.stdin.closed
+    def start(self) -> None:
+        """Forked by the run's fork server where it has one (a trainer of several ranks never is), else started
+        as `asyncrl worker ROLE` (compose and Slurm start it so too)."""
+        with StopSignals.held():  # a stop while it starts is raised once it is recorded
+            if self.forks is not None and self.ranks == 1:
+                self.process = self.forks.fork(self.role, self.config_path, self.log_path, self.idle)
+                if self.process is not None:
+                    return
+            worker = ["-m", "pipeline.cli", "worker", self.role, "--config", str(self.config_path)]
+            if self.ranks > 1:  # torchrun forwards SIGTERM to its ranks and ends them all when one fails
+                worker = ["-m", "pipeline.local_torchrun", f"--nproc-per-node={self.ranks}", *worker]  # on loopback
+            with open(self.log_path, "ab") as log:
+                self.process = subprocess.Popen(
+                    [sys.executable, *worker],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=self.before_exec,
+                )
 
     def before_exec(self) -> None:
         """In the child: it dies with the launcher, and an idle worker computes on idle cores only."""
@@ -117,9 +106,7 @@ class WorkerProcess:
             lower_priority()
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM, then SIGKILL if it does not end in time; always reaped. A worker on standby loses its pipe."""
-        if self.awaiting_go:
-            self.process.stdin.close()
+        """SIGTERM, then SIGKILL if it does not end in time; always reaped."""
         if self.process is None or self.process.poll() is not None:
             return
         self.process.terminate()
@@ -368,17 +355,19 @@ class LocalRun:
     workers: list[WorkerProcess] = field(default_factory=list)
     config_path: Path | None = None  # set once config.yaml is written
     evaluation: EvalRequests | None = None  # the evaluator process's queue; None without an evaluation set
+    forks: ForkServer | None = None  # the process the workers are forked from
     metrics_offset: int = 0  # where the monitor starts reading metrics.jsonl: after a resumed run's earlier lines
 
     def start(self, stops: StopSignals, eval_rows: list | None, progress: bool) -> None:
-        """The workers on standby, the broker, the model and topics (config.yaml, then `latest`), the evaluator's
-        queue, asked first for the base model (a resumed run has it in metrics.jsonl), then the workers' `go`
-        (the evaluator: `start_evaluator`)."""
+        """The fork server on CPU (importing the workers' code meanwhile), the broker, the model and topics (config.yaml,
+        then `latest`), the evaluator's queue, asked first for the base model (a resumed run has it in
+        metrics.jsonl), then the workers (the evaluator: `start_evaluator`)."""
         from pipeline import monitor
         from pipeline.eval_set import NO_EVAL_SET
         from pipeline.eval_worker import EvalRequests
 
-        self.start_on_standby()
+        if self.config.model.device == "cpu":  # a CUDA driver touched before a fork is unusable in the child
+            self.start_fork_server(evaluates=eval_rows is not None)
         if not self.config.broker.bootstrap or self.config.broker.embedded:  # embedded: a config.yaml run again
             self.start_broker(stops)
         self.config, self.config_path = prepare(self.config, progress)
@@ -390,24 +379,21 @@ class LocalRun:
                 self.evaluation.ask(0)
         elif self.config.eval.enabled:
             print(NO_EVAL_SET, file=sys.stderr)
-        for worker in self.workers:
-            if worker.awaiting_go:
-                worker.go()
-            else:
-                worker.start()
-
-    def start_on_standby(self) -> None:
-        """Every worker, importing its code while the launcher makes the broker, the model and the topics (a
-        trainer's FSDP2 ranks start once config.yaml is written): on 2 cores a short run's first step came 1-2 s
-        sooner (three runs each way, session 29)."""
-        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         roles = ["trainer", "reward", "prompts"] + ["rollout"] * self.config.rollout.workers
         for index, role in enumerate(roles):
             ranks = self.config.trainer.ranks if role == "trainer" else 1
             log_path = self.run_dir / "logs" / f"{role}-{index}.stdout"
-            self.workers.append(WorkerProcess(role, index, self.run_dir / "config.yaml", log_path, ranks))
-            if ranks == 1:
-                self.workers[-1].start(standby=True)
+            self.workers.append(WorkerProcess(role, index, self.config_path, log_path, ranks, forks=self.forks))
+            self.workers[-1].start()
+
+    def start_fork_server(self, evaluates: bool) -> None:
+        """The process the workers are forked from, importing their code while the launcher makes the broker,
+        the model and the topics (`pipeline.forkserver`)."""
+        logs = self.run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        roles = ["reward", "prompts", "rollout"] + ["trainer"] * (self.config.trainer.ranks == 1) + ["eval"] * evaluates
+        with StopSignals.held():
+            self.forks = ForkServer(roles, self.run_dir / "config.yaml", logs / "forkserver.stdout")
 
     def start_evaluator(self) -> None:
         """The evaluator process, once the trainer has made its first step (the monitor calls this): started
@@ -415,7 +401,7 @@ class LocalRun:
         if self.evaluation is None:
             return
         log_path = self.run_dir / "logs" / "eval-0.stdout"
-        self.workers.append(WorkerProcess("eval", 0, self.config_path, log_path, idle=True))
+        self.workers.append(WorkerProcess("eval", 0, self.config_path, log_path, idle=True, forks=self.forks))
         self.workers[-1].start()
 
     def finish_evaluation(self) -> None:
@@ -467,7 +453,9 @@ class LocalRun:
                     if worker.role == role:
                         worker.stop()
             self.finish_evaluation()
-        finally:  # whatever failed above, no broker is left behind
+        finally:  # whatever failed above, no fork server and no broker is left behind
+            if self.forks is not None:
+                self.forks.stop()
             if self.broker is not None:
                 if self.broker.running and self.config_path:  # a dead broker took its topics with it
                     export_topics_quietly(self.config, self.run_dir)  # the broker keeps them in memory only
