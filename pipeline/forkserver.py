@@ -15,10 +15,13 @@ A forked worker is what `asyncrl worker ROLE --config PATH` would be, to the lau
 - once adopted it dies with the launcher (PR_SET_PDEATHSIG; set before the adoption, the re-parenting itself
   would send the signal), in a session of its own, its stdout and stderr in its log, stdin /dev/null;
 - its command line (/proc/PID/cmdline: ps, the chaos harness and the CPU accounting read it) is the one it
-  would have had, written into the server's own argument area, which the launcher makes long enough;
+  would have had, written into the server's own argument area, which the launcher makes long enough (the
+  rest of that area reads as NUL bytes after it);
 - it runs `asyncrl worker` itself (`pipeline.cli.main`), and exits through the interpreter's normal exit.
 
-The server imports nothing else and starts no thread before it forks: the children inherit one thread.
+The server runs nothing but imports before it forks, and its children start with one thread (the one thread
+torch's import starts, OpenBLAS's, is stopped by OpenBLAS itself at a fork). It keeps ~350 MB resident for the
+run, which its children share until they write to it.
 """
 
 from __future__ import annotations
@@ -28,12 +31,12 @@ import ctypes
 import importlib
 import json
 import os
-import random
 import select
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 LAZY_IMPORTS = {"eval": ("pipeline.evaluate",)}  # what a role's module (launch.WORKER_MODULES) imports only in main
@@ -63,7 +66,10 @@ class ForkedProcess:
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped, its status lost (a stop raised between the two lines): as Popen
+                pid, status = self.pid, 0
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)  # -N after signal N, as Popen says
         return self.returncode
@@ -105,8 +111,14 @@ class ForkServer:
                 preexec_fn=die_with_parent,  # its workers are not its children: they go on
             )
 
-    def fork(self, role: str, config_path: Path, log_path: Path, idle: bool = False) -> ForkedProcess | None:
-        """A worker of `role`, or None where the server cannot make one (it failed or ended: start it another way)."""
+    def fork(
+        self, role: str, config_path: Path, log_path: Path, idle: bool = False, give_up: Callable[[], bool] = bool
+    ) -> ForkedProcess | None:
+        """A worker of `role`, or None where the server cannot make one (it ended, or took longer than REPLY_WAIT_S:
+        start it another way) or `give_up()` became true while it was asked (a stop). Where it did not answer, the
+        server is stopped, so that it forks nothing this launcher has not recorded."""
+        if self.process.poll() is not None:
+            return None
         request = {
             "role": role,
             "config": str(config_path),
@@ -117,19 +129,37 @@ class ForkServer:
         try:
             self.process.stdin.write(json.dumps(request).encode() + b"\n")
             self.process.stdin.flush()
-            ready, _, _ = select.select([self.process.stdout], [], [], REPLY_WAIT_S)
-            reply = self.process.stdout.readline() if ready else b""
-        except (BrokenPipeError, ValueError):  # it ended; ValueError: closed by `stop`
+        except BrokenPipeError:  # it ended
             return None
+        deadline = time.monotonic() + REPLY_WAIT_S
+        while not select.select([self.process.stdout], [], [], 0.05)[0]:  # its imports may not be done yet
+            if give_up() or time.monotonic() > deadline:
+                self.stop()  # a reply written meanwhile is still read below
+                break
+        reply = self.process.stdout.readline()
         return ForkedProcess(int(reply)) if reply.strip().isdigit() else None
 
     def stop(self) -> None:
-        """Ended (it holds nothing: SIGTERM, even while it still imports) and reaped; the workers it made are not
-        its children and go on."""
+        """Ended (it holds nothing: SIGTERM, even while it still imports) and reaped, once or again; the workers it
+        made are not its children and go on."""
         with contextlib.suppress(BrokenPipeError):
             self.process.stdin.close()
         self.process.terminate()
         self.process.wait()
+
+
+def reap_strays() -> None:
+    """Zombie children of this process reaped: what it adopted as a subreaper (a dead worker's own children).
+    Called once it has reaped every child it started, so that none of their statuses is taken."""
+    me = str(os.getpid())
+    for entry in Path("/proc").iterdir():
+        try:
+            state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):  # not a process, or gone
+            continue
+        if ppid == me and state == "Z":
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(int(entry.name), os.WNOHANG)
 
 
 def serve(roles: list[str]) -> dict | None:
@@ -145,6 +175,7 @@ def serve(roles: list[str]) -> dict | None:
         read, write = os.pipe()
         between = os.fork()
         if between == 0:  # the process between: it forks the worker and exits, leaving it to the launcher
+            between = os.getpid()
             try:
                 worker = os.fork()
             except BaseException:
@@ -152,7 +183,7 @@ def serve(roles: list[str]) -> dict | None:
             if worker == 0:
                 os.close(read)
                 os.close(write)
-                return {**request, "between": os.getppid()}  # its parent, or its new one if that has exited
+                return {**request, "between": between}
             os.write(write, b"%d" % worker)
             os._exit(0)
         os.close(write)
@@ -187,10 +218,19 @@ def become_worker(request: dict) -> int:
     argv = worker_argv(request["role"], Path(request["config"]))
     set_command_line(argv)
     sys.argv = [cli.__file__, *argv[3:]]  # as `python -m pipeline.cli` sets it
-    random.seed()  # a fresh process's draws, not the server's
+    fresh_random_state()
     if request["idle"]:
         lower_priority()
     return cli.main(argv[3:])
+
+
+def fresh_random_state() -> None:
+    """The draws of a fresh process, not the server's (Python's `random` reseeds itself after a fork): torch's
+    default generator (seeded per process at import) and numpy's global one, where imported."""
+    if torch := sys.modules.get("torch"):
+        torch.seed()
+    if numpy := sys.modules.get("numpy"):
+        numpy.random.seed()
 
 
 def set_command_line(argv: list[str]) -> None:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, ClassVar
 import msgspec
 
 from pipeline.config import ConfigError, derived_weights_dir, load_config, on_one_machine, resolve, save_config
-from pipeline.forkserver import ForkedProcess, ForkServer
+from pipeline.forkserver import ForkedProcess, ForkServer, reap_strays
 from schemas.config import RunConfig
 from topics.broker import die_with_parent
 from workers import runtime
@@ -84,8 +84,8 @@ class WorkerProcess:
         as `asyncrl worker ROLE` (compose and Slurm start it so too)."""
         with StopSignals.held():  # a stop while it starts is raised once it is recorded
             if self.forks is not None and self.ranks == 1:
-                self.process = self.forks.fork(self.role, self.config_path, self.log_path, self.idle)
-                if self.process is not None:
+                self.process = self.forks.fork(self.role, self.config_path, self.log_path, self.idle, StopSignals.due)
+                if self.process is not None or StopSignals.due():  # none started for a run that stops
                     return
             worker = ["-m", "pipeline.cli", "worker", self.role, "--config", str(self.config_path)]
             if self.ranks > 1:  # torchrun forwards SIGTERM to its ranks and ends them all when one fails
@@ -296,6 +296,11 @@ class StopSignals:
         raise self.stopped
 
     @classmethod
+    def due(cls) -> bool:
+        """A stop arrived inside `held` and waits for the block's end."""
+        return cls.active is not None and cls.active.deferred
+
+    @classmethod
     @contextlib.contextmanager
     def held(cls) -> Iterator[None]:
         """A stop that arrives inside the block is raised at its end. Raised inside Popen, it left the process
@@ -460,6 +465,7 @@ class LocalRun:
                 if self.broker.running and self.config_path:  # a dead broker took its topics with it
                     export_topics_quietly(self.config, self.run_dir)  # the broker keeps them in memory only
                 self.broker.stop()
+            reap_strays()  # every child of its own is reaped: the rest was adopted (a killed worker's children)
 
 
 def import_run_topics(config: RunConfig) -> None:

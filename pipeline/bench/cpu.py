@@ -1,8 +1,9 @@
 """Where the CPU goes during a benchmark: cores used by each role of the pipeline, from /proc.
 
 A thread samples the process tree under the benchmark every `interval_s`: each child is
-a role (`asyncrl worker <role>`, or the broker), and its own children (reward scorers,
-torchrun ranks) count towards it; the benchmark process itself is `monitor`. Linux only.
+a role (`asyncrl worker <role>`, or the broker; the fork server the workers come from, whose
+imports are theirs, is `other`), and its own children (reward scorers, torchrun ranks) count
+towards it; the benchmark process itself is `monitor`. Linux only.
 """
 
 from __future__ import annotations

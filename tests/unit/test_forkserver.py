@@ -32,6 +32,16 @@ if then == "wait":
 else:
     time.sleep(600)
 """
+GIVING_UP = """
+import json, sys
+from pathlib import Path
+from pipeline.forkserver import ForkServer
+tmp = Path(sys.argv[1])
+server = ForkServer(["reward"], tmp / "config.yaml", tmp / "forkserver.log")
+asked = server.fork("reward", tmp / "config.yaml", tmp / "reward-1.stdout", give_up=lambda: True)
+again = server.fork("reward", tmp / "config.yaml", tmp / "reward-1.stdout")
+print(json.dumps([asked is None, server.process.returncode, again is None]))
+"""
 
 
 def launch(tmp_path: Path, then: str) -> tuple[subprocess.Popen, dict]:
@@ -130,3 +140,13 @@ def test_the_launcher_reaches_its_fork_server_without_torch() -> None:
     code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint(sorted({{'torch', 'transformers'}} & set(sys.modules)))"
     imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert imported.strip() == "[]"
+
+
+def test_a_fork_given_up_stops_the_server_so_that_it_forks_nothing_unrecorded(tmp_path: Path) -> None:
+    """A stop while the server is asked (here, still importing): no worker, the server stopped and reaped, and a
+    later request is not sent to it (the launcher would start that worker as `asyncrl worker`)."""
+    out = subprocess.run(
+        [sys.executable, "-c", GIVING_UP, str(tmp_path)], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert json.loads(out.stdout) == [True, -signal.SIGTERM, True]
+    assert not (tmp_path / "reward-1.stdout").exists()
