@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, ClassVar
 import msgspec
 
 from pipeline.config import ConfigError, derived_weights_dir, load_config, on_one_machine, resolve, save_config
-from pipeline.forkserver import ForkedProcess, ForkServer, reap_strays
+from pipeline.forkserver import ForkedProcess, ForkServer, reap_strays, worker_argv
 from schemas.config import RunConfig
 from topics.broker import die_with_parent
 from workers import runtime
@@ -87,7 +87,7 @@ class WorkerProcess:
                 self.process = self.forks.fork(self.role, self.config_path, self.log_path, self.idle, StopSignals.due)
                 if self.process is not None or StopSignals.due():  # none started for a run that stops
                     return
-            worker = ["-m", "pipeline.cli", "worker", self.role, "--config", str(self.config_path)]
+            worker = worker_argv(self.role, self.config_path)[1:]  # after the interpreter
             if self.ranks > 1:  # torchrun forwards SIGTERM to its ranks and ends them all when one fails
                 worker = ["-m", "pipeline.local_torchrun", f"--nproc-per-node={self.ranks}", *worker]  # on loopback
             with open(self.log_path, "ab") as log:
