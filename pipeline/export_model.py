@@ -42,9 +42,9 @@ def on_disk(configured: str, fallback: Path) -> Path:
 
 def pick_version(weights_dir: Path, version: int | None) -> tuple[Path, int]:
     """The file of `version` (None: the newest on disk) and its number; ConfigError when it is gone."""
-    from workers.runtime import version_path
+    from workers.runtime import version_path, versions_on_disk
 
-    kept = sorted(int(p.stem[1:]) for p in weights_dir.glob("v*.safetensors") if p.stem[1:].isdigit())
+    kept = versions_on_disk(weights_dir)
     if not kept:
         raise ConfigError(f"{weights_dir} holds no weight versions (the trainer published none, or they are gone)")
     version = kept[-1] if version is None else version

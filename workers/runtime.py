@@ -48,6 +48,11 @@ def version_path(weights_dir: Path, version: int) -> Path:
     return weights_dir / f"v{version:06d}.safetensors"
 
 
+def versions_on_disk(weights_dir: Path) -> list[int]:
+    """The versions whose weights files are in `weights_dir`, oldest first."""
+    return sorted(int(p.stem[1:]) for p in weights_dir.glob("v*.safetensors") if p.stem[1:].isdigit())
+
+
 def node_name() -> str:
     """The node this process runs on: Slurm's name for it in a job step (nodes may share a host name), else
     the host's name."""

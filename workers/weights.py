@@ -23,7 +23,7 @@ from typing import BinaryIO
 import safetensors.torch
 import torch
 
-from workers.runtime import version_path
+from workers.runtime import version_path, versions_on_disk
 
 
 def unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -165,7 +165,8 @@ def check_hash(path: Path, version: int, actual: str, expected: str) -> None:
 
 def write_version(tensors: dict[str, torch.Tensor], weights_dir: Path, version: int, keep: int) -> tuple[Path, str]:
     """Write the whole weights (`unique_state_dict`, or FSDP2's gathered `full_state_dict`) as version
-    `version`, atomically; delete all but the newest `keep`. Returns (path, sha256).
+    `version`, atomically; of the versions up to it, delete all but the newest `keep` (it first: a newer file
+    is one a restarted trainer writes again, or removed by `drop_versions_after`). Returns (path, sha256).
     NonFiniteWeights, with nothing written, when a tensor holds NaN or inf."""
     if bad := non_finite(tensors):
         raise NonFiniteWeights(f"weights v{version} not published: NaN or inf in {len(bad)} tensors ({bad[0]}, ...)")
@@ -175,9 +176,19 @@ def write_version(tensors: dict[str, torch.Tensor], weights_dir: Path, version: 
     with open(partial, "wb") as stream:
         digest = write_safetensors(tensors, stream, {"version": str(version)})  # hashed while written: no read-back
     os.replace(partial, final)
-    for old in sorted(weights_dir.glob("v*.safetensors"))[:-keep]:
-        old.unlink(missing_ok=True)
+    for old in [v for v in versions_on_disk(weights_dir) if v <= version][:-keep]:
+        version_path(weights_dir, old).unlink(missing_ok=True)
     return final, digest
+
+
+def drop_versions_after(weights_dir: Path, version: int) -> list[int]:
+    """Delete the weights files of versions after `version` and return those versions. A run resumed from
+    an earlier checkpoint than its newest step abandoned them: no record of its topics names them, and the
+    steps it trains anew write other weights (left, they would be the newest version on disk meanwhile)."""
+    abandoned = [v for v in versions_on_disk(weights_dir) if v > version]
+    for newer in abandoned:
+        version_path(weights_dir, newer).unlink(missing_ok=True)
+    return abandoned
 
 
 def read_version(path: str | Path) -> dict[str, torch.Tensor]:

@@ -24,7 +24,8 @@ from topics.export import load_export
 pytestmark = pytest.mark.e2e
 
 STEPS, EVERY, GROUPS, SAMPLES = 20, 3, 2, 2  # GROUPS and SAMPLES as SMALL_RUN has them
-RESUMABLE = (f"trainer.steps={STEPS}", f"trainer.checkpoint.every={EVERY}")
+KEEP = 4  # weight versions kept
+RESUMABLE = (f"trainer.steps={STEPS}", f"trainer.checkpoint.every={EVERY}", f"trainer.checkpoint.keep_versions={KEEP}")
 
 
 @pytest.fixture
@@ -112,7 +113,32 @@ def test_a_sigkilled_launcher_s_run_is_resumed(launch) -> None:
     assert mentioning(str(run.run_dir), f"tcp://{bootstrap}") == []  # nothing orphaned, not even its children
     checkpoint = newest_checkpoint(run.run_dir)  # a periodic one, or the stop's if its export beat the broker
     assert checkpoint >= EVERY
+    abandoned = got_ahead_of_the_export(run.run_dir, checkpoint)
     check_trained_once(run.run_dir, resume(run.run_dir), checkpoint)
+    [start] = [line for line in trainer_starts(run.run_dir) if line["step"] == checkpoint]
+    assert start["abandoned_versions_deleted"] == abandoned
+
+
+def got_ahead_of_the_export(run_dir: Path, checkpoint: int) -> list[int]:
+    """The weights a trainer killed KEEP versions past its last checkpoint leaves: only versions its export
+    does not name (the resumed trainer, writing its checkpoint's version, must not delete it as the oldest)."""
+    weights = run_dir / "weights"
+    newest = max(weights.glob("v*.safetensors")).read_bytes()
+    for old in weights.glob("v*.safetensors"):
+        old.unlink()
+    abandoned = list(range(checkpoint + 1, checkpoint + KEEP + 1))
+    for version in abandoned:
+        (weights / f"v{version:06d}.safetensors").write_bytes(newest)
+    return abandoned
+
+
+def trainer_starts(run_dir: Path) -> list[dict]:
+    return [
+        json.loads(line)
+        for log in (run_dir / "logs").glob("trainer-*.jsonl")
+        for line in log.read_text().splitlines()
+        if '"trainer started"' in line
+    ]
 
 
 @pytest.mark.chaos  # short version in make test: the sigkilled launcher's resume, and the broker's death failing the run
@@ -134,7 +160,7 @@ def test_a_sigtermed_run_is_resumed(launch, skip: int) -> None:
     drops no manifest records yet: its checkpoint must keep them (`restore`), or they are lost."""
     run = launch("trainer.checkpoint.every=100", f"trainer.skip_uniform_groups={skip}")  # the stop's own checkpoint
     run.process.send_signal(signal.SIGTERM)
-    assert run.process.wait(timeout=90) == 128 + signal.SIGTERM
+    assert run.process.wait(timeout=240) == 128 + signal.SIGTERM
     wait_until_gone(run, within_s=5)
     stopped_at = json.loads((run.run_dir / "summary.json").read_text())["steps"]
     assert newest_checkpoint(run.run_dir) == stopped_at  # the stop checkpointed, its topics exported first

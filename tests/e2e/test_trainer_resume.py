@@ -223,6 +223,7 @@ async def test_killed_and_restarted_trainer_equals_straight_run(broker, tmp_path
     ]
     assert sorted((s["step"], s["redo"]) for s in starts)[1][0] == 2 * CHECKPOINT_EVERY
     assert 2 * CHECKPOINT_EVERY + 1 in max(s["redo"] for s in starts)
+    assert [s["abandoned_versions_deleted"] for s in starts] == [[], []]  # the redone steps' files are rewritten
     expected, got = final_weights(straight_run[1].parent / "runs" / straight), final_weights(runs / killed)
     assert expected.keys() == got.keys()
     for key in expected:

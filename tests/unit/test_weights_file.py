@@ -10,9 +10,11 @@ from safetensors import safe_open
 from safetensors.torch import load, load_file
 
 from workers import weights
+from workers.runtime import versions_on_disk
 from workers.weights import (
     WeightsError,
     WeightsFile,
+    drop_versions_after,
     file_hash,
     file_metadata,
     read_verified,
@@ -89,3 +91,17 @@ def test_read_verified_loads_the_bytes_it_hashed_and_refuses_others(tmp_path, mo
 def test_a_dtype_safetensors_cannot_store_is_named():
     with pytest.raises(ValueError, match=r"weights: z has dtype torch.complex64, which safetensors cannot store"):
         write_safetensors({"a": torch.ones(1), "z": torch.ones(2, dtype=torch.complex64)}, io.BytesIO(), {})
+
+
+def test_a_version_written_is_kept_with_the_newest_before_it_and_a_resume_drops_those_after_it(tmp_path):
+    tensors = {"w": torch.ones(2)}
+    for version in range(1, 7):
+        write_version(tensors, tmp_path, version, keep=3)
+    assert versions_on_disk(tmp_path) == [4, 5, 6]
+    for version in range(7, 11):  # a run gets 4 versions past its checkpoint of step 6, then is killed
+        write_version(tensors, tmp_path, version, keep=3)
+    assert versions_on_disk(tmp_path) == [8, 9, 10]
+    write_version(tensors, tmp_path, 6, keep=3)  # its resumed trainer announces the checkpoint's version
+    assert versions_on_disk(tmp_path) == [6, 8, 9, 10]  # not deleted as the oldest: it is the one announced
+    assert drop_versions_after(tmp_path, 6) == [8, 9, 10] and versions_on_disk(tmp_path) == [6]
+    assert drop_versions_after(tmp_path, 6) == [] and drop_versions_after(tmp_path / "none", 0) == []

@@ -14,7 +14,8 @@ trained or dropped, and re-executes the manifests written after the checkpoint
 with exactly their trajectories before it takes new batches. On the embedded broker,
 which keeps topics in memory only, the topics are appended to the run's export before
 each checkpoint (`Lead.checkpoint`), so `asyncrl run --resume` finds, in a new broker,
-everything a checkpoint names.
+everything a checkpoint names; the weights files of versions it does not name (a killed run got past
+its last export) are deleted before the first announcement: the steps trained anew write other weights.
 
 A non-finite update (NaN or inf loss or gradient norm) is skipped, not applied
 (`step.apply_update`), yet the step happens as any other: its manifest stands, its
@@ -51,6 +52,7 @@ from workers.trainer.buffer import UNIFORM, Group, GroupBuffer
 from workers.trainer.model import Trainer, checkpoints_dir
 from workers.trainer.step import PhaseClock
 from workers.vocab import outside_vocab
+from workers.weights import drop_versions_after
 
 
 def restore(
@@ -330,6 +332,8 @@ async def lead(ctx: runtime.WorkerContext, trainer: Trainer, stop: asyncio.Event
         if isinstance(r.message, BatchManifest)
     ]
     redo, buffer, pending_drops = restore(manifests, st)
+    recorded = max([st.step, *(m.step for m in redo)])  # a newer version's file is of a timeline left behind
+    abandoned = await asyncio.to_thread(drop_versions_after, runtime.weights_dir(ctx.config), recorded)
     ctx.log.info(
         "trainer started",
         step=st.step,
@@ -337,6 +341,7 @@ async def lead(ctx: runtime.WorkerContext, trainer: Trainer, stop: asyncio.Event
         nodes=trainer.nodes,
         redo=[m.step for m in redo],
         resume_offsets=st.resume_offsets,
+        abandoned_versions_deleted=abandoned,
     )
     async with (
         ctx.transport.outbox() as outbox,
