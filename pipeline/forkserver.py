@@ -17,7 +17,7 @@ A forked worker is what `asyncrl worker ROLE --config PATH` would be, to the lau
 - its command line (/proc/PID/cmdline: ps, the chaos harness and the CPU accounting read it) is the one it
   would have had, written into the server's own argument area, which the launcher makes long enough (the
   rest of that area reads as NUL bytes after it);
-- it runs `asyncrl worker` itself (`pipeline.cli.main`), and exits through the interpreter's normal exit.
+- it runs `asyncrl worker` itself (`pipeline.cli.run`), and exits through the interpreter's normal exit.
 
 The server runs nothing but imports before it forks, and its children start with one thread (the one thread
 torch's import starts, OpenBLAS's, is stopped by OpenBLAS itself at a fork). It keeps ~350 MB resident for the
@@ -221,7 +221,7 @@ def become_worker(request: dict) -> int:
     fresh_random_state()
     if request["idle"]:
         lower_priority()
-    return cli.main(argv[3:])
+    return cli.run(argv[3:])
 
 
 def fresh_random_state() -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import importlib
 import importlib.util
 import json
@@ -52,6 +53,7 @@ WORKER_MODULES = {
     "trainer": "workers.trainer.worker",
     "eval": "pipeline.eval_worker",  # the launcher's own: the run's held-out evaluation
 }
+LOCK_FILE = "launcher.lock"  # in the run directory: held by the launcher running it (`run_dir_lock`)
 STOP_ORDER = ("prompts", "rollout", "reward", "trainer")  # the trainer last: it checkpoints on stop; then the
 # evaluator scores what it was asked for (`LocalRun.finish_evaluation`)
 BROKER_GONE_STOP_S = 5.0  # all workers at once: without a broker nothing flows, a delivery would wait 40 s
@@ -526,6 +528,27 @@ def run_pipeline(config: RunConfig, progress: bool = True, resumed_from: int | N
             return stop.exit_code
 
 
+@contextlib.contextmanager
+def run_dir_lock(run_dir: Path) -> Iterator[None]:
+    """Held while a launcher runs the run in `run_dir` (an flock, let go by the kernel however the launcher
+    ends): a second launcher there, e.g. `--resume` of a run still running, is a one-line error, not a
+    second run writing the same directory."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / LOCK_FILE, "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "?"
+            raise ConfigError(
+                f"{run_dir} is being run by another launcher (pid {holder}): stop it first (Ctrl-C or SIGTERM)"
+            ) from None
+        lock.truncate(0)
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        yield
+
+
 def run_locally(config: RunConfig, progress: bool, stops: StopSignals, resumed_from: int | None = None) -> int:
     """Checks, a run directory (a resumed run keeps its own), the run started and followed, then always
     stopped in order and reported."""
@@ -539,37 +562,38 @@ def run_locally(config: RunConfig, progress: bool, stops: StopSignals, resumed_f
     eval_rows = rows_for_config(config) if config.eval.enabled else None
     config = new_run_dir(config) if resumed_from is None else config
     run_dir = runtime.run_dir(config)
-    resumed = "" if resumed_from is None else f", resumed from the checkpoint of step {resumed_from}"
-    print(f"asyncrl: run directory {run_dir}{resumed}", file=sys.stderr)
-    # before the broker and the model: a W&B problem (no login) shows at once; W&B gets the config as given
-    wandb_stream = monitor.WandbStream(config, run_dir) if config.telemetry.wandb_project else None
-    run, stopped = LocalRun(config, run_dir, resumed_from), None
-    try:
-        run.start(stops, eval_rows, progress)
-        outcome = monitor.follow(
-            run.config,
-            run_dir,
-            run.workers,
-            run.evaluation,
-            started,
-            progress,
-            wandb_stream,
-            run.metrics_offset,
-            run.start_evaluator,
-        )
-    except RunStopped as stop:
-        stopped, outcome = stop, stop.outcome
-        before = "" if run.config_path else " before config.yaml was written (runs/latest left as it was)"
-        print(f"asyncrl: {stop.reason}{before}; stopping every worker; run directory {run_dir}", file=sys.stderr)
-    finally:
-        stops.cleaning = True
-        run.stop()
-    if run.config_path is None:  # stopped while preparing: nothing ran, there is nothing to report
-        return stopped.exit_code
-    reason = stopped.reason if stopped else None
-    summary = monitor.finish(run.config, run_dir, outcome, started, wandb_stream, reason)
-    from pipeline.export_model import export_final  # torch: imported once the workers are done
+    with run_dir_lock(run_dir):  # a second launcher of this run (a --resume too early) stops here
+        resumed = "" if resumed_from is None else f", resumed from the checkpoint of step {resumed_from}"
+        print(f"asyncrl: run directory {run_dir}{resumed}", file=sys.stderr)
+        # before the broker and the model: a W&B problem (no login) shows at once; W&B gets the config as given
+        wandb_stream = monitor.WandbStream(config, run_dir) if config.telemetry.wandb_project else None
+        run, stopped = LocalRun(config, run_dir, resumed_from), None
+        try:
+            run.start(stops, eval_rows, progress)
+            outcome = monitor.follow(
+                run.config,
+                run_dir,
+                run.workers,
+                run.evaluation,
+                started,
+                progress,
+                wandb_stream,
+                run.metrics_offset,
+                run.start_evaluator,
+            )
+        except RunStopped as stop:
+            stopped, outcome = stop, stop.outcome
+            before = "" if run.config_path else " before config.yaml was written (runs/latest left as it was)"
+            print(f"asyncrl: {stop.reason}{before}; stopping every worker; run directory {run_dir}", file=sys.stderr)
+        finally:
+            stops.cleaning = True
+            run.stop()
+        if run.config_path is None:  # stopped while preparing: nothing ran, there is nothing to report
+            return stopped.exit_code
+        reason = stopped.reason if stopped else None
+        summary = monitor.finish(run.config, run_dir, outcome, started, wandb_stream, reason)
+        from pipeline.export_model import export_final  # torch: imported once the workers are done
 
-    summary = export_final(run_dir, summary)  # <run dir>/final-model, as summary.json's exported_model
-    print(json.dumps(summary, indent=2))
-    return stopped.exit_code if stopped else 0 if outcome == "finished" else 1
+        summary = export_final(run_dir, summary)  # <run dir>/final-model, as summary.json's exported_model
+        print(json.dumps(summary, indent=2))
+        return stopped.exit_code if stopped else 0 if outcome == "finished" else 1

@@ -106,6 +106,11 @@ def wait_until_gone(run: Launch, within_s: float) -> None:
 
 def test_a_sigkilled_launcher_s_run_is_resumed(launch) -> None:
     run = launch()
+    refused = resume(run.run_dir)  # too early: the run still runs
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        f"asyncrl: {run.run_dir} is being run by another launcher (pid {run.process.pid}): stop it first "
+        "(Ctrl-C or SIGTERM)"
+    ]
     run.process.kill()
     run.process.wait()
     wait_until_gone(run, within_s=10)  # the broker took the topics with it: only the export is left

@@ -13,12 +13,14 @@ import signal
 import subprocess
 import sys
 import time
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from pipeline.forkserver import worker_argv
 
 LAUNCHER = """
 import json, sys, time
+from importlib.metadata import entry_points
 from pathlib import Path
 from pipeline.forkserver import ForkServer
 tmp, then = Path(sys.argv[1]), sys.argv[2]
@@ -34,6 +36,7 @@ else:
 """
 GIVING_UP = """
 import json, sys
+from importlib.metadata import entry_points
 from pathlib import Path
 from pipeline.forkserver import ForkServer
 tmp = Path(sys.argv[1])
@@ -110,6 +113,7 @@ def test_a_failed_preparation_stops_the_fork_server_and_starts_no_worker(tmp_pat
     """A config error found while preparing (the server importing meanwhile): the server is stopped and reaped."""
     script = f"""
 import msgspec
+from importlib.metadata import entry_points
 from pathlib import Path
 from pipeline import launch
 from pipeline.config import ConfigError, resolve
@@ -150,3 +154,18 @@ def test_a_fork_given_up_stops_the_server_so_that_it_forks_nothing_unrecorded(tm
     )
     assert json.loads(out.stdout) == [True, -signal.SIGTERM, True]
     assert not (tmp_path / "reward-1.stdout").exists()
+
+
+def test_a_process_s_entry_leaves_what_it_holds_out_of_the_exit_s_collections() -> None:
+    """`asyncrl`, `python -m pipeline.cli` and a forked worker end through `cli.run`, which freezes the objects
+    left (the interpreter's last collections would walk torch's and transformers' code: ~1 s per process)."""
+    probe = (
+        "import atexit, gc\n"
+        "atexit.register(lambda: print('frozen', gc.get_freeze_count() > 0))\n"
+        "from pipeline.cli import run\n"
+        "run(['run', '--help'])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "frozen True", done.stderr
+    [script] = [entry for entry in entry_points(group="console_scripts") if entry.name == "asyncrl"]
+    assert script.value == "pipeline.cli:run"
