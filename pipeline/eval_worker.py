@@ -65,10 +65,13 @@ class EvalRequests:
     """The monitor's side of the queue: a version asked for is linked in once the trainer has written its file,
     without waiting for it; given up when a newer file shows it was deleted, or when it is not written in time."""
 
-    def __init__(self, run_dir: Path, weights_dir: Path):
+    def __init__(self, run_dir: Path, weights_dir: Path, resumed_from: int | None = None):
         self.queue, self.weights_dir = queue_dir(run_dir), weights_dir
         self.queue.mkdir(parents=True, exist_ok=True)
         (self.queue / DONE).unlink(missing_ok=True)  # a resumed run's: its first launch's evaluator had finished
+        for request in queued(self.queue) if resumed_from is not None else ():
+            if version_of(request) > resumed_from:  # weights of steps the resumed run trains anew
+                request.unlink()
         self.waiting: dict[int, float] = {}  # version -> when to give up on its file
 
     def ask(self, version: int, wait_s: float = VERSION_WRITE_WAIT_S) -> None:

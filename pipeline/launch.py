@@ -54,6 +54,7 @@ WORKER_MODULES = {
     "eval": "pipeline.eval_worker",  # the launcher's own: the run's held-out evaluation
 }
 LOCK_FILE = "launcher.lock"  # in the run directory: held by the launcher running it (`run_dir_lock`)
+EARLIER_LAUNCH_WAIT_S = 60.0  # for the workers of a killed launcher of the run to end (`wait_for_earlier_launch`)
 STOP_ORDER = ("prompts", "rollout", "reward", "trainer")  # the trainer last: it checkpoints on stop; then the
 # evaluator scores what it was asked for (`LocalRun.finish_evaluation`)
 BROKER_GONE_STOP_S = 5.0  # all workers at once: without a broker nothing flows, a delivery would wait 40 s
@@ -381,7 +382,7 @@ class LocalRun:
         link_latest(self.run_dir)
         self.metrics_offset = monitor.note_start(self.run_dir, self.resumed_from)
         if eval_rows is not None:
-            self.evaluation = EvalRequests(self.run_dir, runtime.weights_dir(self.config))
+            self.evaluation = EvalRequests(self.run_dir, runtime.weights_dir(self.config), self.resumed_from)
             if self.resumed_from is None:
                 self.evaluation.ask(0)
         elif self.config.eval.enabled:
@@ -543,10 +544,46 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
             raise ConfigError(
                 f"{run_dir} is being run by another launcher (pid {holder}): stop it first (Ctrl-C or SIGTERM)"
             ) from None
+        except OSError as exc:  # a file system without flock (some NFS and Lustre mounts)
+            print(
+                f"asyncrl: {run_dir} cannot be locked ({exc.strerror}): a second launcher would not be refused",
+                file=sys.stderr,
+            )
         lock.truncate(0)
         lock.write(f"{os.getpid()}\n")
         lock.flush()
+        wait_for_earlier_launch(run_dir)
         yield
+
+
+def wait_for_earlier_launch(run_dir: Path, timeout_s: float = EARLIER_LAUNCH_WAIT_S) -> None:
+    """A killed launcher's workers end on their own (SIGTERM at its death; the trainer checkpoints first): wait
+    until none is left, so that nothing of the earlier launch writes the directory while this one runs."""
+    deadline = time.monotonic() + timeout_s
+    if left := workers_of(run_dir):
+        print(f"asyncrl: waiting for {len(left)} processes of the run's earlier launch to end", file=sys.stderr)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = workers_of(run_dir)
+    if left:
+        raise ConfigError(
+            f"{run_dir}: processes of its earlier launch still run after {timeout_s:.0f} s (pids "
+            f"{', '.join(map(str, left))}): stop them first"
+        )
+
+
+def workers_of(run_dir: Path) -> list[int]:
+    """Live processes that run with `run_dir`'s config.yaml (every worker names it on its command line)."""
+    config, found = str(run_dir / "config.yaml").encode(), []
+    for entry in Path("/proc").iterdir():
+        try:
+            named = config in (entry / "cmdline").read_bytes().split(b"\0")
+            zombie = named and (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:  # gone meanwhile, or not a process
+            continue
+        if named and not zombie:
+            found.append(int(entry.name))
+    return found
 
 
 def run_locally(config: RunConfig, progress: bool, stops: StopSignals, resumed_from: int | None = None) -> int:

@@ -156,6 +156,20 @@ def test_a_version_is_queued_once_written_and_given_up_only_when_it_cannot_come(
     assert [request.name for request in queued(queue_dir(run_dir))] == ["v000003.safetensors"]
 
 
+def test_a_resumed_run_s_queue_loses_the_versions_it_trains_anew(tmp_path: Path) -> None:
+    """The killed launch asked for versions past the checkpoint the run resumes from: their links hold weights the
+    resumed run never announces, and would take the place of the versions it writes under the same numbers."""
+    weights, run_dir = tmp_path / "weights", tmp_path / "run"
+    queue = queue_dir(run_dir)
+    queue.mkdir(parents=True)
+    for name in ("v000000.base", "v000004.safetensors", "v000005.safetensors", "v000007.safetensors"):
+        (queue / name).write_bytes(b"weights")
+    EvalRequests(run_dir, weights, resumed_from=5)
+    assert [request.name for request in queued(queue)] == ["v000000.base", "v000004.safetensors", "v000005.safetensors"]
+    EvalRequests(run_dir, weights)  # not resumed: the queue as it is
+    assert len(queued(queue)) == 3
+
+
 def test_weights_on_another_file_system_are_copied_into_the_queue(tmp_path: Path, monkeypatch) -> None:
     source, target = tmp_path / "v000002.safetensors", tmp_path / "queue" / "v000002.safetensors"
     source.write_bytes(b"weights")

@@ -20,7 +20,6 @@ from pipeline.forkserver import worker_argv
 
 LAUNCHER = """
 import json, sys, time
-from importlib.metadata import entry_points
 from pathlib import Path
 from pipeline.forkserver import ForkServer
 tmp, then = Path(sys.argv[1]), sys.argv[2]
@@ -36,7 +35,6 @@ else:
 """
 GIVING_UP = """
 import json, sys
-from importlib.metadata import entry_points
 from pathlib import Path
 from pipeline.forkserver import ForkServer
 tmp = Path(sys.argv[1])
@@ -113,7 +111,6 @@ def test_a_failed_preparation_stops_the_fork_server_and_starts_no_worker(tmp_pat
     """A config error found while preparing (the server importing meanwhile): the server is stopped and reaped."""
     script = f"""
 import msgspec
-from importlib.metadata import entry_points
 from pathlib import Path
 from pipeline import launch
 from pipeline.config import ConfigError, resolve

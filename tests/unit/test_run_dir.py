@@ -1,12 +1,27 @@
-"""A run's directory: every run gets its own, even one started from another run's config.yaml."""
+"""A run's directory: every run gets its own, even one started from another run's config.yaml, and one
+launcher at a time runs it (a second one is refused; an earlier one's workers are waited for)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
-from pipeline.config import load_config, resolve
-from pipeline.launch import new_run_dir
+import pytest
+
+from pipeline.config import ConfigError, load_config, resolve
+from pipeline.launch import new_run_dir, run_dir_lock, wait_for_earlier_launch
 from workers import runtime
+
+HOLD_LOCK = """
+import fcntl, sys, time
+lock = open(sys.argv[1], "a+")
+fcntl.flock(lock, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(60)
+"""
 
 
 def test_another_run_s_config_run_again_writes_its_weights_in_its_own_directory(tmp_path: Path) -> None:
@@ -20,3 +35,45 @@ def test_a_weights_directory_of_the_user_s_choice_is_kept(tmp_path: Path) -> Non
     shared = tmp_path / "shared-storage"
     chosen = resolve(load_config(None, [f"runs_dir={tmp_path}", "name=b", f"trainer.checkpoint.weights_dir={shared}"]))
     assert runtime.weights_dir(resolve(new_run_dir(chosen))) == shared
+
+
+def test_a_second_launcher_of_a_run_is_refused_in_one_line_until_the_first_has_ended(tmp_path: Path) -> None:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(tmp_path / "launcher.lock")], stdout=subprocess.PIPE
+    )
+    try:
+        assert holder.stdout.readline() == b"held\n"
+        (tmp_path / "launcher.lock").write_text(f"{holder.pid}\n")  # as the launcher holding it writes it
+        with pytest.raises(ConfigError) as refused, run_dir_lock(tmp_path):
+            pass
+        assert str(refused.value) == (
+            f"{tmp_path} is being run by another launcher (pid {holder.pid}): stop it first (Ctrl-C or SIGTERM)"
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    with run_dir_lock(tmp_path):  # the kernel let go of it with the process
+        assert (tmp_path / "launcher.lock").read_text() == f"{os.getpid()}\n"
+
+
+def test_a_resume_waits_for_the_workers_of_the_run_s_earlier_launch(tmp_path: Path) -> None:
+    """A worker names the run's config.yaml on its command line; a killed launcher's workers end by themselves."""
+    config = str(tmp_path / "config.yaml")
+    ending = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)", "--config", config])
+    lingering = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--config", config + ".other"])
+    try:
+        started = time.monotonic()
+        wait_for_earlier_launch(tmp_path, timeout_s=30)
+        assert ending.poll() == 0 and time.monotonic() - started >= 0.5  # waited for it, not for the other run's
+        stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--config", config])
+        try:
+            with pytest.raises(
+                ConfigError, match=rf"processes of its earlier launch still run after 1 s \(pids {stuck.pid}\)"
+            ):
+                wait_for_earlier_launch(tmp_path, timeout_s=1)
+        finally:
+            stuck.kill()
+            stuck.wait()
+    finally:
+        lingering.kill()
+        lingering.wait()

@@ -333,7 +333,9 @@ async def lead(ctx: runtime.WorkerContext, trainer: Trainer, stop: asyncio.Event
     ]
     redo, buffer, pending_drops = restore(manifests, st)
     recorded = max([st.step, *(m.step for m in redo)])  # a newer version's file is of a timeline left behind
-    abandoned = await asyncio.to_thread(drop_versions_after, runtime.weights_dir(ctx.config), recorded)
+    abandoned = []  # a fresh trainer's: none, and whatever its weights directory holds is not its own
+    if recorded:
+        abandoned = await asyncio.to_thread(drop_versions_after, runtime.weights_dir(ctx.config), recorded)
     ctx.log.info(
         "trainer started",
         step=st.step,
