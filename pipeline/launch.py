@@ -126,15 +126,22 @@ class WorkerProcess:
 
 def new_run_dir(config: RunConfig) -> RunConfig:
     """A fresh name `<name>-<time>` under runs_dir (linked as `latest` only once its config.yaml is written).
-    Another run's config.yaml run again names that run's weights directory: the new run gets its own."""
+    Another run's config.yaml run again names that run's weights directory: the new run gets its own. One of
+    the user's choice must hold no weight versions: another run's would pass for this one's (the newest on
+    disk is what `asyncrl export` and a resumed trainer take as the run's)."""
+    checkpoint = config.trainer.checkpoint
+    if checkpoint.weights_dir == derived_weights_dir(config):  # that run's own: derive the new run's
+        checkpoint = msgspec.structs.replace(checkpoint, weights_dir="")
+    elif checkpoint.weights_dir and (held := runtime.versions_on_disk(Path(checkpoint.weights_dir))):
+        raise ConfigError(
+            f"trainer.checkpoint.weights_dir {checkpoint.weights_dir} holds weight versions already (v{held[0]} to "
+            f"v{held[-1]}, another run's): give this run an empty directory"
+        )
     runs = Path(config.runs_dir).resolve()
     name = f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     while (runs / name).exists():
         name += "x"
     (runs / name).mkdir(parents=True)
-    checkpoint = config.trainer.checkpoint
-    if checkpoint.weights_dir == derived_weights_dir(config):  # that run's own: derive the new run's
-        checkpoint = msgspec.structs.replace(checkpoint, weights_dir="")
     trainer = msgspec.structs.replace(config.trainer, checkpoint=checkpoint)
     return msgspec.structs.replace(config, name=name, runs_dir=str(runs), trainer=trainer)
 

@@ -35,6 +35,15 @@ def test_a_weights_directory_of_the_user_s_choice_is_kept(tmp_path: Path) -> Non
     shared = tmp_path / "shared-storage"
     chosen = resolve(load_config(None, [f"runs_dir={tmp_path}", "name=b", f"trainer.checkpoint.weights_dir={shared}"]))
     assert runtime.weights_dir(resolve(new_run_dir(chosen))) == shared
+    shared.mkdir()
+    for version in (3, 12):
+        runtime.version_path(shared, version).write_bytes(b"weights")  # as a run there writes them
+    with pytest.raises(ConfigError) as refused:
+        new_run_dir(chosen)
+    assert str(refused.value) == (
+        f"trainer.checkpoint.weights_dir {shared} holds weight versions already (v3 to v12, another run's): "
+        "give this run an empty directory"
+    )
 
 
 def test_a_second_launcher_of_a_run_is_refused_in_one_line_until_the_first_has_ended(tmp_path: Path) -> None:
@@ -59,13 +68,12 @@ def test_a_second_launcher_of_a_run_is_refused_in_one_line_until_the_first_has_e
 def test_a_resume_waits_for_the_workers_of_the_run_s_earlier_launch(tmp_path: Path) -> None:
     """A worker names the run's config.yaml on its command line; a killed launcher's workers end by themselves."""
     config = str(tmp_path / "config.yaml")
-    ending = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)", "--config", config])
-    lingering = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--config", config + ".other"])
+    ending = sleeper(1.5, config)
+    lingering = sleeper(60, config + ".other")
     try:
-        started = time.monotonic()
         wait_for_earlier_launch(tmp_path, timeout_s=30)
-        assert ending.poll() == 0 and time.monotonic() - started >= 0.5  # waited for it, not for the other run's
-        stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--config", config])
+        assert ending.poll() == 0  # waited for it, not for the other run's
+        stuck = sleeper(60, config)
         try:
             with pytest.raises(
                 ConfigError, match=rf"processes of its earlier launch still run after 1 s \(pids {stuck.pid}\)"
@@ -77,3 +85,11 @@ def test_a_resume_waits_for_the_workers_of_the_run_s_earlier_launch(tmp_path: Pa
     finally:
         lingering.kill()
         lingering.wait()
+
+
+def sleeper(seconds: float, config: str) -> subprocess.Popen:
+    """A process naming `config` as a worker does, returned once its command line shows it (after its exec)."""
+    process = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})", "--config", config])
+    while config.encode() not in Path(f"/proc/{process.pid}/cmdline").read_bytes().split(b"\0"):
+        time.sleep(0.01)
+    return process
