@@ -568,7 +568,9 @@ def wait_for_earlier_launch(run_dir: Path, timeout_s: float = EARLIER_LAUNCH_WAI
     until none is left, so that nothing of the earlier launch writes the directory while this one runs."""
     deadline = time.monotonic() + timeout_s
     if left := workers_of(run_dir):
-        print(f"asyncrl: waiting for {len(left)} processes of the run's earlier launch to end", file=sys.stderr)
+        print(
+            f"asyncrl: waiting for the run's earlier launch to end (pids {', '.join(map(str, left))})", file=sys.stderr
+        )
     while left and time.monotonic() < deadline:
         time.sleep(0.2)
         left = workers_of(run_dir)

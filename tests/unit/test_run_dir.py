@@ -65,7 +65,7 @@ def test_a_second_launcher_of_a_run_is_refused_in_one_line_until_the_first_has_e
         assert (tmp_path / "launcher.lock").read_text() == f"{os.getpid()}\n"
 
 
-def test_a_resume_waits_for_the_workers_of_the_run_s_earlier_launch(tmp_path: Path) -> None:
+def test_a_resume_waits_for_the_workers_of_the_run_s_earlier_launch(tmp_path: Path, capsys) -> None:
     """A worker names the run's config.yaml on its command line; a killed launcher's workers end by themselves."""
     config = str(tmp_path / "config.yaml")
     ending = sleeper(1.5, config)
@@ -73,6 +73,7 @@ def test_a_resume_waits_for_the_workers_of_the_run_s_earlier_launch(tmp_path: Pa
     try:
         wait_for_earlier_launch(tmp_path, timeout_s=30)
         assert ending.poll() == 0  # waited for it, not for the other run's
+        assert capsys.readouterr().err == f"asyncrl: waiting for the run's earlier launch to end (pids {ending.pid})\n"
         stuck = sleeper(60, config)
         try:
             with pytest.raises(
