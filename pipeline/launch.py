@@ -583,16 +583,10 @@ def wait_for_earlier_launch(run_dir: Path, timeout_s: float = EARLIER_LAUNCH_WAI
 
 def workers_of(run_dir: Path) -> list[int]:
     """Live processes that run with `run_dir`'s config.yaml (every worker names it on its command line)."""
-    config, found = str(run_dir / "config.yaml").encode(), []
-    for entry in Path("/proc").iterdir():
-        try:
-            named = config in (entry / "cmdline").read_bytes().split(b"\0")
-            zombie = named and (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-        except OSError:  # gone meanwhile, or not a process
-            continue
-        if named and not zombie:
-            found.append(int(entry.name))
-    return found
+    from pipeline.chaos.procs import processes
+
+    config = f" {run_dir / 'config.yaml'} "  # a whole argument: not another file beside it
+    return [proc.pid for proc in processes().values() if config in f" {proc.cmdline} "]
 
 
 def run_locally(config: RunConfig, progress: bool, stops: StopSignals, resumed_from: int | None = None) -> int:
