@@ -223,6 +223,21 @@ def standing_steps(lines: list[dict]) -> list[dict]:
     return kept
 
 
+def standing_lines(lines: list[dict]) -> list[dict]:
+    """metrics.jsonl's lines that stand, in file order: the trainer's of `standing_steps`, and no evaluation of a
+    version past the checkpoint a later `resume` line names (those weights were abandoned: the resumed run trains
+    its own versions of those steps); every other line as it is."""
+    steps = {id(line) for line in standing_steps(lines)}
+    evals: list[dict] = []
+    abandoned: set[int] = set()
+    for line in lines:
+        if line["source"] == "eval":
+            evals.append(line)
+        elif line["source"] == "resume":
+            abandoned.update(id(e) for e in evals if e["step"] > line["step"])
+    return [l for l in lines if (l["source"] != "trainer" or id(l) in steps) and id(l) not in abandoned]
+
+
 def note_start(run_dir: Path, resumed_from: int | None = None) -> int:
     """A line in metrics.jsonl as the workers start: `start`, or `resume` with the step of the checkpoint the
     run resumes from (summary.json lists them); the file's size after it, where the monitor starts reading."""
@@ -268,9 +283,10 @@ def finish(
     reason: str | None = None,
 ) -> dict:
     """summary.json (`reason`: why a run stopped or failed, when the launcher knows), curves.png,
-    TensorBoard events and the W&B run's summary; the final accuracy is the evaluation of the last
-    step's version, when there is one (the launcher asks for it once the workers have stopped)."""
-    lines, _ = read_metrics(run_dir / "metrics.jsonl")
+    TensorBoard events and the W&B run's summary, all from the lines that stand (`standing_lines`); the final
+    accuracy is the evaluation of the last step's version, when there is one (the launcher asks for it once the
+    workers have stopped)."""
+    lines = standing_lines(read_metrics(run_dir / "metrics.jsonl")[0])
     steps = standing_steps(lines)
     last = steps[-1] if steps else {}
     evals = [l for l in lines if l["source"] == "eval"]
@@ -302,9 +318,8 @@ def finish(
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     from pipeline.report import plot_curves, write_tensorboard
 
-    all_lines, _ = read_metrics(run_dir / "metrics.jsonl")
-    plot_curves(all_lines, run_dir / "curves.png")
-    write_tensorboard(all_lines, run_dir / "tensorboard")
+    plot_curves(lines, run_dir / "curves.png")
+    write_tensorboard(lines, run_dir / "tensorboard")
     if wandb_stream:
         wandb_stream.finish(summary)
     return summary

@@ -1,5 +1,6 @@
 """The report of a resumed run, from metrics.jsonl alone: steps lost with a killed broker and trained again
-count once (their new lines stand), the resume is listed, and the base accuracy is the first launch's."""
+count once (their new lines stand), evaluations of the abandoned versions are gone, the resume is listed, and the
+base accuracy is the first launch's."""
 
 from __future__ import annotations
 
@@ -23,13 +24,31 @@ def test_a_step_trained_again_replaces_its_line_and_those_after() -> None:
     assert monitor.standing_steps([]) == []
 
 
+def evaluation(version: int, accuracy: float) -> dict:
+    return {"source": "eval", "step": version, "version": version, "heldout_accuracy": accuracy}
+
+
+def test_a_resume_drops_the_evaluations_of_the_versions_it_abandons() -> None:
+    first = [{"source": "start", "step": 0}, evaluation(0, 0.1), *(trainer(step, step) for step in range(1, 6))]
+    first += [evaluation(2, 0.2), evaluation(4, 0.4), evaluation(5, 0.5), {"source": "rollout", "step": 5}]
+    again = [{"source": "resume", "step": 3}, trainer(4, 40), evaluation(4, 0.44)]
+    standing = monitor.standing_lines(first + again)
+    assert [(l["source"], l["step"], l.get("heldout_accuracy")) for l in standing] == [
+        ("start", 0, None), ("eval", 0, 0.1), ("trainer", 1, None), ("trainer", 2, None), ("trainer", 3, None),
+        ("eval", 2, 0.2), ("rollout", 5, None), ("resume", 3, None), ("trainer", 4, None), ("eval", 4, 0.44),
+    ]  # fmt: skip
+    assert standing[-2]["completion_lengths"] == [40]
+    assert monitor.standing_lines(first) == first  # nothing resumed: every line stands
+
+
 def test_a_resumed_run_s_summary_counts_each_step_once(tmp_path: Path) -> None:
     config = resolve(load_config(None, ["name=run", f"runs_dir={tmp_path}", "trainer.steps=5"]))
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     metrics = run_dir / "metrics.jsonl"
-    first = [{"source": "eval", "step": 0, "version": 0, "heldout_accuracy": 0.25}]
+    first = [evaluation(0, 0.25)]
     first += [trainer(step, 99 if step > 3 else step) for step in range(1, 6)]  # 4, 5: lost with the broker
+    first.append(evaluation(5, 0.9))  # of weights the resumed run abandons
     metrics.write_text("".join(json.dumps({"time": 1.0, **line}) + "\n" for line in first))
     size = metrics.stat().st_size
     offset = monitor.note_start(run_dir, resumed_from=3)
@@ -40,4 +59,5 @@ def test_a_resumed_run_s_summary_counts_each_step_once(tmp_path: Path) -> None:
     summary = monitor.finish(config, run_dir, "finished", started=0.0)
     assert (summary["steps"], summary["trained_trajectories"], summary["resumed_from"]) == (5, 20, [3])
     assert (summary["completion_len_max"], summary["base_accuracy"]) == (5, 0.25)
+    assert summary["final_accuracy"] is None  # the resumed run's version 5 was not evaluated
     assert json.loads((run_dir / "summary.json").read_text())["resumed_from"] == [3]
