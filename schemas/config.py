@@ -32,6 +32,16 @@ class BrokerConfig(Section):
             "loads them into a new broker"
         ),
     ] = False
+    sole_consumers: Annotated[
+        bool | None,
+        doc(
+            "a role with one worker (the reward worker; the rollout worker with rollout.workers=1) reads every "
+            "partition of its topic without joining its consumer group, committing its offsets there all the same: "
+            "no group join to wait for (3 s on Tansu) at each start or restart. Right only where nothing else "
+            "starts workers of the run's roles; empty (null) = true under `asyncrl run`, which starts them all, "
+            "false in a deployment (docker compose, Slurm), whose workers may be scaled"
+        ),
+    ] = None
     fetch_wait_ms: Annotated[
         int,
         doc(

@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 
+from topics.admin import committed_offsets
 from topics.clients import assigned_consumer, make_group_consumer, make_producer
 from topics.inspect import raw_record
 from topics.names import TopicLayout
@@ -81,15 +82,20 @@ class KafkaTransport(Transport):
 
     @asynccontextmanager
     async def source(
-        self, topic: str, group: str | None, start_offsets: Mapping[int, int], commits: CommitTracker
+        self, topic: str, group: str | None, start_offsets: Mapping[int, int], commits: CommitTracker, alone: bool
     ) -> AsyncIterator[ConsumerSource]:
         wait = {"fetch_max_wait_ms": self.fetch_wait_ms}
         if group is None:
             async with assigned_consumer(self.bootstrap, topic, start_offsets, **wait) as consumer:
                 yield ConsumerSource(consumer, topic, grouped=False)
             return
-        listener = ForgetRevoked(commits)
-        async with make_group_consumer(self.bootstrap, topic, self.layout.prefix + group, listener, **wait) as consumer:
+        group_id = self.layout.prefix + group
+        if alone:  # no join to wait for (3 s on Tansu, make_group_consumer); commits go to the group all the same
+            committed = await committed_offsets(self.bootstrap, group_id, topic)
+            async with assigned_consumer(self.bootstrap, topic, committed, group_id=group_id, **wait) as consumer:
+                yield ConsumerSource(consumer, topic, grouped=True)
+            return
+        async with make_group_consumer(self.bootstrap, topic, group_id, ForgetRevoked(commits), **wait) as consumer:
             yield ConsumerSource(consumer, topic, grouped=True)
 
     async def read_all(self, role: str, cls: type[M]) -> list[TopicRecord]:

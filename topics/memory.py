@@ -110,8 +110,8 @@ class MemoryTransport(Transport):
 
     @asynccontextmanager
     async def source(
-        self, topic: str, group: str | None, start_offsets: Mapping[int, int], commits: CommitTracker
-    ) -> AsyncIterator[MemorySource]:
+        self, topic: str, group: str | None, start_offsets: Mapping[int, int], commits: CommitTracker, alone: bool
+    ) -> AsyncIterator[MemorySource]:  # a group's inbox reads every partition here, `alone` or not
         yield MemorySource(
             self.broker, topic, self.broker.committed.get((group, topic), {}) if group else start_offsets, group
         )

@@ -267,14 +267,16 @@ class Transport(abc.ABC):
         *,
         origin: str,
         group: str | None = None,
+        alone: bool = False,
         start_offsets: Mapping[int, int] | None = None,
         max_records: int | None = None,
     ) -> AsyncIterator[Inbox[M]]:
         """An inbox of `role`. `group`: share the topic with the other workers of this consumer group,
-        starting at the group's committed offsets; None: read every partition alone, from `start_offsets`
-        (partitions not named: from the beginning)."""
+        starting at the group's committed offsets; with `alone`, the caller is the group's only worker: it reads
+        every partition from those offsets without joining the group, and commits to it as a member would.
+        None: read every partition alone, from `start_offsets` (partitions not named: from the beginning)."""
         commits = CommitTracker()
-        async with self.source(self.layout.name(role), group, start_offsets or {}, commits) as source:
+        async with self.source(self.layout.name(role), group, start_offsets or {}, commits, alone) as source:
             yield Inbox(
                 source,
                 cls,
@@ -296,7 +298,7 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def source(
-        self, topic: str, group: str | None, start_offsets: Mapping[int, int], commits: CommitTracker
+        self, topic: str, group: str | None, start_offsets: Mapping[int, int], commits: CommitTracker, alone: bool
     ) -> AbstractAsyncContextManager[RecordSource]:
         """Records of `topic` for one inbox (see `inbox`); `commits` forgets partitions a rebalance takes away."""
 

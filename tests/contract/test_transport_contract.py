@@ -104,6 +104,27 @@ async def test_a_group_inbox_restarts_after_what_was_done_and_committed(transpor
     assert [d.message.prompt_id for d in again] == ["p1", "p2"]
 
 
+@pytest.mark.slow  # on Kafka: one group join, ~3-6 s on Tansu
+async def test_a_group_s_only_worker_reads_without_joining_and_commits_to_the_group(transport):
+    async with transport.outbox() as outbox:
+        for n in range(4):
+            await outbox.send_now("prompts", group(n), key=f"k{n}")  # over both partitions
+        async with transport.inbox("prompts", PromptGroup, outbox, origin="a", group="rollout", alone=True) as inbox:
+            first = await poll_until(inbox, 4)
+            for delivery in first:
+                if delivery.message.prompt_id != "p3":  # the last record of its partition: left undone
+                    inbox.done(delivery)
+            await inbox.commit(now=True)
+        await outbox.send_now("prompts", group(4), key="k4")
+        async with transport.inbox("prompts", PromptGroup, outbox, origin="b", group="rollout") as inbox:
+            again = await poll_until(inbox, 2)  # a member that joins starts where the lone worker committed
+            await asyncio.sleep(0.2)
+            again += await inbox.poll(0)
+    assert {r.partition for r in await transport.read_all("prompts", PromptGroup)} == {0, 1}
+    assert sorted(d.message.prompt_id for d in first) == ["p0", "p1", "p2", "p3"]
+    assert sorted(d.message.prompt_id for d in again) == ["p3", "p4"]
+
+
 async def test_a_reader_starts_where_told_and_read_all_sees_every_record(transport):
     async with transport.outbox() as outbox:
         for n in range(4):

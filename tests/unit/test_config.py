@@ -7,7 +7,7 @@ import yaml
 
 import pipeline
 from pipeline.cli import main
-from pipeline.config import LEGACY_NAMES, ConfigError, explain, load_config, resolve, save_config
+from pipeline.config import LEGACY_NAMES, ConfigError, explain, load_config, on_one_machine, resolve, save_config
 
 SHIPPED = sorted((Path(pipeline.__file__).parent / "configs").glob("*.yaml"))
 
@@ -112,6 +112,14 @@ def test_fetch_wait_follows_the_staleness_bound_unless_set():
     assert wait("trainer.max_staleness=0") == 20  # synchronous: every hop is on the critical path
     assert wait("trainer.max_staleness=4") == 200
     assert wait("trainer.max_staleness=0", "broker.fetch_wait_ms=7") == 7
+
+
+def test_a_role_s_only_worker_reads_alone_under_asyncrl_run_only():
+    sole = lambda config: config.broker.sole_consumers  # noqa: E731
+    assert sole(resolve(on_one_machine(load_config(None, [])))) is True  # the launcher starts every worker
+    assert sole(resolve(on_one_machine(load_config(None, ["broker.sole_consumers=false"])))) is False
+    assert sole(resolve(load_config(None, []))) is False  # compose or Slurm: a role's workers may be scaled
+    assert sole(resolve(load_config(None, ["broker.sole_consumers=true"]))) is True
 
 
 # Every old name with a value it can take, and that value where the name lives now.

@@ -165,7 +165,15 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
     ctx = runtime.WorkerContext.start(config, "reward", transport)
     async with (
         ctx.transport.outbox() as outbox,
-        ctx.transport.inbox("segments", Segment, outbox, origin=ctx.id, group=REWARD_GROUP, max_records=512) as inbox,
+        ctx.transport.inbox(  # `asyncrl run` starts one reward worker
+            "segments",
+            Segment,
+            outbox,
+            origin=ctx.id,
+            group=REWARD_GROUP,
+            alone=bool(config.broker.sole_consumers),
+            max_records=512,
+        ) as inbox,
     ):
         scorer, metrics, last_report, spent = Scorer(ctx, outbox, inbox), ctx.metrics(), time.monotonic(), False
         assembler: SegmentAssembler[Delivery[Segment]] = SegmentAssembler(refuse=scorer.refusal)

@@ -314,7 +314,13 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
     async with (
         ctx.transport.outbox() as outbox,
         ctx.transport.inbox(
-            "prompts", PromptGroup, outbox, origin=ctx.id, group=ROLLOUT_GROUP, max_records=64
+            "prompts",
+            PromptGroup,
+            outbox,
+            origin=ctx.id,
+            group=ROLLOUT_GROUP,
+            alone=bool(config.broker.sole_consumers) and config.rollout.workers == 1,
+            max_records=64,
         ) as prompts,
         ctx.transport.weights_follower(outbox, origin=ctx.id) as weights_inbox,
     ):

@@ -13,8 +13,10 @@ Launch with torchrun: one process per rank, gloo on CPU, NCCL on CUDA.
 
 from __future__ import annotations
 
+import atexit
 import heapq
 import os
+import time
 from typing import Any
 
 import torch
@@ -37,7 +39,26 @@ def init_distributed() -> torch.device:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
+        atexit.register(let_gloo_workers_finish)
     return device
+
+
+GLOO_EXIT_GRACE_S = 0.05
+
+
+def let_gloo_workers_finish() -> None:
+    """At exit, before the interpreter starts finalizing, let gloo's worker threads finish what they still hold.
+
+    A gloo worker thread drops a collective's work after the rank has stopped waiting for it; when it drops the
+    last reference to a tensor whose Python object Python no longer holds, it takes the GIL to release that too.
+    Caught in a core dump of `tests/integration/test_fsdp.py`'s ranks (about 1 run in 20): the final barrier's work
+    still held an all-gather's output, the thread asked for the GIL while the interpreter was finalizing, Python
+    3.11 ended the thread there (`pthread_exit`), and the unwind through the work's destructor (noexcept) called
+    std::terminate: "terminate called without an active exception", SIGABRT. Destroying the process group does
+    not join those threads while FSDP2's DTensor caches still reference it. Sleeping here releases the GIL
+    while Python is whole, so a thread that waits for it gets it now.
+    """
+    time.sleep(GLOO_EXIT_GRACE_S)
 
 
 class Collective:
