@@ -519,7 +519,7 @@ def prepare_command(config: RunConfig) -> int:
     if not config.broker.bootstrap:
         raise ConfigError("prepare needs broker.bootstrap=HOST:PORT (the broker the workers will use)")
     check_dataset(config)
-    path = prepare(config)[1]
+    path = prepare(config, deployment=True)[1]
     step = checkpoint_step(path.parent)
     if step is not None:
         note_start(path.parent, step)

@@ -195,12 +195,13 @@ def check_wandb(config: RunConfig) -> None:
         raise ConfigError("telemetry.wandb_project is set but wandb is not installed: pip install 'asyncrl[wandb]'")
 
 
-def prepare(config: RunConfig, progress: bool = True) -> tuple[RunConfig, Path]:
+def prepare(config: RunConfig, progress: bool = True, deployment: bool = False) -> tuple[RunConfig, Path]:
     """Everything workers need before they start: the model (pre-flight checked), the run's key, the topics,
     `config.yaml`.
 
     Idempotent for deployments (compose, Slurm): a run directory that already has
-    its config.yaml keeps it (and its model); the topics are ensured every time.
+    its config.yaml keeps it (and its model); the topics are ensured every time. A deployment's workers always
+    join their consumer groups (`broker.sole_consumers` false), whatever the config it was prepared from says.
     Returns the resolved config and its path.
     """
     from pipeline.preflight import check_workflow, preflight
@@ -232,6 +233,8 @@ def prepare(config: RunConfig, progress: bool = True) -> tuple[RunConfig, Path]:
         )
         config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=str(model_dir)))
     config = resolve(config)
+    if deployment:  # its workers of a role may be scaled: each joins the role's consumer group
+        config = msgspec.structs.replace(config, broker=msgspec.structs.replace(config.broker, sole_consumers=False))
     preflight(config)  # what would crash-loop the workers, as one line with the fix, before any starts
     create_key(run_dir)  # once: the trainer signs every weight announcement with it (workers.announce)
     layout = runtime.topic_layout(config)  # every time: a broker may have lost its topics

@@ -224,18 +224,18 @@ def standing_steps(lines: list[dict]) -> list[dict]:
 
 
 def standing_lines(lines: list[dict]) -> list[dict]:
-    """metrics.jsonl's lines that stand, in file order: the trainer's of `standing_steps`, and no evaluation of a
-    version past the checkpoint a later `resume` line names (those weights were abandoned: the resumed run trains
-    its own versions of those steps); every other line as it is."""
-    steps = {id(line) for line in standing_steps(lines)}
-    evals: list[dict] = []
+    """metrics.jsonl's lines that stand, in file order: no trainer line or evaluation of a step past the checkpoint
+    a later `resume` line names (those weights were abandoned: the resumed run trains its own versions of those
+    steps, or has not yet), the trainer's lines of `standing_steps` of the rest; every other line as it is."""
     abandoned: set[int] = set()
-    for line in lines:
-        if line["source"] == "eval":
-            evals.append(line)
-        elif line["source"] == "resume":
-            abandoned.update(id(e) for e in evals if e["step"] > line["step"])
-    return [l for l in lines if (l["source"] != "trainer" or id(l) in steps) and id(l) not in abandoned]
+    for i, line in enumerate(lines):
+        if line["source"] == "resume":
+            abandoned.update(
+                id(l) for l in lines[:i] if l["source"] in ("trainer", "eval") and l["step"] > line["step"]
+            )
+    kept = [l for l in lines if id(l) not in abandoned]
+    steps = {id(line) for line in standing_steps(kept)}
+    return [l for l in kept if l["source"] != "trainer" or id(l) in steps]
 
 
 def note_start(run_dir: Path, resumed_from: int | None = None) -> int:
@@ -270,7 +270,7 @@ def completion_length_summary(steps: list[dict]) -> dict[str, float]:
 
 def final_version(run_dir: Path) -> int | None:
     """The version of the run's last standing step (what the final evaluation scores), None before any."""
-    steps = standing_steps(read_metrics(run_dir / "metrics.jsonl")[0])
+    steps = standing_steps(standing_lines(read_metrics(run_dir / "metrics.jsonl")[0]))
     return steps[-1]["step"] if steps else None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import matplotlib
@@ -63,8 +64,11 @@ def plot_eval(ax, lines: list[dict]) -> None:
 
 
 def write_tensorboard(lines: list[dict], directory: Path) -> None:
+    """The lines as TensorBoard events, written anew: a resumed run's launches each write every line that stands,
+    and TensorBoard would show an earlier launch's file beside the new one."""
     from torch.utils.tensorboard import SummaryWriter
 
+    shutil.rmtree(directory, ignore_errors=True)
     with SummaryWriter(str(directory)) as writer:
         for line in lines:
             for key, value in line.items():

@@ -39,7 +39,8 @@ class BrokerConfig(Section):
             "partition of its topic without joining its consumer group, committing its offsets there all the same: "
             "no group join to wait for (3 s on Tansu) at each start or restart. Right only where nothing else "
             "starts workers of the run's roles; empty (null) = true under `asyncrl run`, which starts them all, "
-            "false in a deployment (docker compose, Slurm), whose workers may be scaled"
+            "false otherwise; `asyncrl prepare` (docker compose, Slurm) always sets false: a deployment's workers "
+            "may be scaled"
         ),
     ] = None
     fetch_wait_ms: Annotated[

@@ -43,7 +43,8 @@ class ProducerSink:
 
 
 class ConsumerSource:
-    """One topic's records from an aiokafka consumer, grouped (commits) or assigned (no commits)."""
+    """One topic's records from an aiokafka consumer; `grouped`: its offsets are committed to a consumer group
+    (a member's, or a lone worker's reading by assignment), else nothing is committed."""
 
     def __init__(self, consumer: AIOKafkaConsumer, topic: str, grouped: bool):
         self.consumer, self.topic, self.grouped = consumer, topic, grouped

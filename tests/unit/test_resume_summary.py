@@ -39,6 +39,10 @@ def test_a_resume_drops_the_evaluations_of_the_versions_it_abandons() -> None:
     ]  # fmt: skip
     assert standing[-2]["completion_lengths"] == [40]
     assert monitor.standing_lines(first) == first  # nothing resumed: every line stands
+    not_yet = monitor.standing_lines(first + again[:1])  # the resumed run has not trained step 4 again yet
+    assert [(l["source"], l["step"]) for l in not_yet if l["source"] in ("trainer", "eval")] == [
+        ("eval", 0), ("trainer", 1), ("trainer", 2), ("trainer", 3), ("eval", 2)
+    ]  # fmt: skip
 
 
 def test_a_resumed_run_s_summary_counts_each_step_once(tmp_path: Path) -> None:

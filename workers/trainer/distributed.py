@@ -25,6 +25,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+GLOO_EXIT_GRACE_S = 0.05  # at exit, what gloo's worker threads get to finish with the GIL (let_gloo_workers_finish)
+
 
 def init_distributed() -> torch.device:
     """Join the process group torchrun describes in the environment (RANK, WORLD_SIZE, MASTER_ADDR, ...).
@@ -39,11 +41,9 @@ def init_distributed() -> torch.device:
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
+        atexit.unregister(let_gloo_workers_finish)  # once however often the process joins a group
         atexit.register(let_gloo_workers_finish)
     return device
-
-
-GLOO_EXIT_GRACE_S = 0.05
 
 
 def let_gloo_workers_finish() -> None:
