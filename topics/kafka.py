@@ -93,7 +93,8 @@ class KafkaTransport(Transport):
         group_id = self.layout.prefix + group
         if alone:  # no join to wait for (3 s on Tansu, make_group_consumer); commits go to the group all the same
             committed = await committed_offsets(self.bootstrap, group_id, topic)
-            async with assigned_consumer(self.bootstrap, topic, committed, group_id=group_id, **wait) as consumer:
+            member = {"group_id": group_id, "auto_offset_reset": "earliest"}  # a commit out of range: as a member
+            async with assigned_consumer(self.bootstrap, topic, committed, **member, **wait) as consumer:
                 yield ConsumerSource(consumer, topic, grouped=True)
             return
         async with make_group_consumer(self.bootstrap, topic, group_id, ForgetRevoked(commits), **wait) as consumer:
