@@ -12,6 +12,7 @@ directory. With `telemetry.wandb_project` set, every line also goes to W&B as it
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import time
@@ -227,13 +228,14 @@ def standing_lines(lines: list[dict]) -> list[dict]:
     """metrics.jsonl's lines that stand, in file order: no trainer line or evaluation of a step past the checkpoint
     a later `resume` line names (those weights were abandoned: the resumed run trains its own versions of those
     steps, or has not yet), the trainer's lines of `standing_steps` of the rest; every other line as it is."""
-    abandoned: set[int] = set()
-    for i, line in enumerate(lines):
+    kept, resumed_at = [], math.inf  # the earliest checkpoint a later launch resumed from
+    for line in reversed(lines):
         if line["source"] == "resume":
-            abandoned.update(
-                id(l) for l in lines[:i] if l["source"] in ("trainer", "eval") and l["step"] > line["step"]
-            )
-    kept = [l for l in lines if id(l) not in abandoned]
+            resumed_at = min(resumed_at, line["step"])
+        elif line["source"] in ("trainer", "eval") and line["step"] > resumed_at:
+            continue
+        kept.append(line)
+    kept.reverse()
     steps = {id(line) for line in standing_steps(kept)}
     return [l for l in kept if l["source"] != "trainer" or id(l) in steps]
 
