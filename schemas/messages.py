@@ -8,9 +8,9 @@ The struct's name travels in the `schema` message header so that replay tools ca
 decode any topic.
 
 Versions: 1, the first; 2 adds `loss_mask` to `Segment` and `Scored`, `tool_calls`
-to `Scored` and the finish reason "tool". This build reads both (a version 1 record
-is a version 2 record with the new fields at their defaults: replay of old exports
-and topics) and writes 2.
+to `Scored` and the finish reason "tool"; 3 adds `groups_skipped` to `WeightVersion`.
+This build reads all three (an older record is a version 3 record with the new fields
+at their defaults: replay of old exports and topics) and writes 3.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-SCHEMA_VERSION = 2
-READABLE_VERSIONS: frozenset[int] = frozenset({1, 2})  # what `decode` accepts (see the module docstring)
+SCHEMA_VERSION = 3
+READABLE_VERSIONS: frozenset[int] = frozenset({1, 2, 3})  # what `decode` accepts (see the module docstring)
 
 # "interrupted": a new policy version cut the segment; "tool": the model's turn ended at a tool call and the
 # tool's output follows in the same segment. Both are non-terminal: more segments of the same attempt follow.
@@ -140,6 +140,8 @@ class WeightVersion(Message, kw_only=True):
     step: int  # trainer: the step that produced the version
     groups_consumed: int  # trainer: groups trained so far
     groups_dropped: int  # trainer: groups dropped so far; source: widens the staleness window
+    groups_skipped: int = 0  # trainer: of those, the ones without advantage (skip_uniform_groups); source: releases
+    # ahead of the skips it expects
     final: bool = False  # trainer: no further versions follow; workers may stop
 
 

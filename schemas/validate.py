@@ -107,7 +107,7 @@ def scored_problems(scored: Scored) -> list[str]:
 
 def weight_version_problems(announced: WeightVersion) -> list[str]:
     """An announcement every reader can verify: counts >= 0 and a sha256 to check the file against."""
-    problems = _not_negative(announced, "version", "step", "groups_consumed", "groups_dropped")
+    problems = _not_negative(announced, "version", "step", "groups_consumed", "groups_dropped", "groups_skipped")
     if not SHA256_HEX.fullmatch(announced.content_hash):
         problems.append(f"content_hash {_cut(announced.content_hash)!r} is not 64 lowercase hex digits (sha256)")
     return problems

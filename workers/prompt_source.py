@@ -1,9 +1,9 @@
 """The prompt source: dataset rows -> prompt groups on `prompts`, under the staleness bound.
 
 It follows `weights` for the trainer's version and dropped count and releases a
-group only while N < (i + eta + 1) * B + dropped, and never more groups than the
-run's steps can train (steps * B + dropped), so every released group ends up
-trained or dropped. After a restart it reads back what `prompts` already holds
+group only while N < (i + eta + 1) * B + dropped + the skips it expects next
+(`workers.staleness.skips_ahead`), and never more groups than the run's steps can
+train (steps * B + dropped), so every released group ends up trained or dropped. After a restart it reads back what `prompts` already holds
 and continues after the last released row.
 """
 
@@ -23,7 +23,7 @@ from workers import runtime
 from workers.announce import AnnouncementCheck, load_key
 from workers.models import check_chat_template, context_positions, encode_prompt
 from workers.rows import BadRow, Row, load_rows
-from workers.staleness import may_release
+from workers.staleness import SKIP_WINDOW, may_release, skips_ahead
 
 
 def prompt_problem(
@@ -108,6 +108,7 @@ class Source:
     def __init__(self, config: RunConfig, rows: list[Row], released: list[PromptGroup]):
         self.config, self.cursor = config, Cursor.after(rows, config.seed, released)
         self.released = len({g.prompt_id for g in released})
+        self.skipped_by: dict[int, int] = {}  # version -> the trainer's skips when it was first announced
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
         if config.data.template == "chat":  # once here rather than a confusing failure per prompt
             check_chat_template(self.tokenizer)
@@ -117,9 +118,14 @@ class Source:
         return self.cursor.epoch >= self.config.data.epochs
 
     def may_release(self, version: WeightVersion) -> bool:
-        """Another group fits the staleness bound, and the run's steps can still train it."""
+        """Another group fits the staleness bound, widened by the skips expected ahead (`skips_ahead`), and
+        the run's steps can still train it."""
         cfg = self.config.trainer
         needed = cfg.steps * cfg.batch_groups + version.groups_dropped
+        self.skipped_by.setdefault(version.version, version.groups_skipped)
+        for old in [v for v in self.skipped_by if v < version.version - SKIP_WINDOW]:
+            del self.skipped_by[old]
+        ahead = skips_ahead(self.skipped_by, version.version, cfg.max_staleness)
         return (
             self.released < needed
             and not self.exhausted
@@ -128,7 +134,7 @@ class Source:
                 version.version,
                 cfg.batch_groups,
                 cfg.max_staleness,
-                version.groups_dropped,
+                version.groups_dropped + ahead,
                 cfg.max_in_flight,
             )
         )

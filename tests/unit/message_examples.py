@@ -69,7 +69,13 @@ SCORED_TOOL = msgspec.structs.replace(  # TOOL, then the answer after the tool's
     tool_calls=1,
 )
 WEIGHTS = WeightVersion(
-    version=3, uri="/w/v3.safetensors", content_hash="0f" * 32, step=3, groups_consumed=24, groups_dropped=1
+    version=3,
+    uri="/w/v3.safetensors",
+    content_hash="0f" * 32,
+    step=3,
+    groups_consumed=24,
+    groups_dropped=1,
+    groups_skipped=1,
 )
 MANIFEST = BatchManifest(
     step=4,

@@ -41,7 +41,7 @@ ANNOUNCED = WeightVersion(
     groups_dropped=1,
     final=True,
 )
-SIGNED = "2702bd4c164a0cbd2cbe18132fb99c5451ddbf6b46a1a151f4875537f5052504"  # of schema_version 2 bytes
+SIGNED = "86d9eb11c3ede4ed52be7ac3665953d0d6df25c35e2e037f70b1167c7ba255b1"  # of schema_version 3 bytes
 
 
 def test_the_signature_is_hmac_sha256_of_the_announcement_bytes():

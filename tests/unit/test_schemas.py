@@ -53,12 +53,12 @@ def test_unknown_schema_version_is_rejected():
 
 
 def test_a_newer_version_is_named_before_its_new_fields_are_called_unknown():
-    """What a version 1 reader meets in a version 2 record, one version on: the version, not 'unknown field'."""
-    assert SCHEMA_VERSION == 2 and sorted(READABLE_VERSIONS) == [1, 2]
-    future = msgspec.msgpack.encode({**msgspec.to_builtins(SCORED_TOOL), "schema_version": 3, "turns": [0, 5]})
+    """What an older reader meets in a newer record, one version on: the version, not 'unknown field'."""
+    assert SCHEMA_VERSION == 3 and sorted(READABLE_VERSIONS) == [1, 2, 3]
+    future = msgspec.msgpack.encode({**msgspec.to_builtins(SCORED_TOOL), "schema_version": 4, "turns": [0, 5]})
     with pytest.raises(DecodeError) as refused:
         decode(future, Scored)
-    assert str(refused.value) == "Scored has schema_version 3, this build reads 1, 2"
+    assert str(refused.value) == "Scored has schema_version 4, this build reads 1, 2, 3"
     with pytest.raises(DecodeError, match="unknown field `turns`"):  # a field no version has: still refused
         decode(msgspec.msgpack.encode({**msgspec.to_builtins(SCORED_TOOL), "turns": [0, 5]}), Scored)
 
@@ -71,6 +71,12 @@ def test_a_version_1_record_decodes_with_the_new_fields_at_their_defaults(messag
     decoded = decode(msgspec.msgpack.encode({**old, "schema_version": 1}), type(message))
     assert decoded == msgspec.structs.replace(message, schema_version=1, loss_mask=[])
     assert decoded.loss_mask == [] and getattr(decoded, "tool_calls", 0) == 0
+
+
+def test_a_version_2_announcement_decodes_with_no_skips_counted():
+    old = {name: value for name, value in msgspec.to_builtins(WEIGHTS).items() if name != "groups_skipped"}
+    decoded = decode(msgspec.msgpack.encode({**old, "schema_version": 2}), WeightVersion)
+    assert decoded == msgspec.structs.replace(WEIGHTS, schema_version=2, groups_skipped=0)
 
 
 def test_interruptions_are_the_non_terminal_segments_that_were_no_tool_call():

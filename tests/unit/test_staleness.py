@@ -5,7 +5,7 @@ from pipeline.demo_model import build_tokenizer
 from schemas.messages import WeightVersion
 from workers.prompt_source import INITIAL, Source
 from workers.rows import Row
-from workers.staleness import admissible, may_release
+from workers.staleness import admissible, may_release, skips_ahead
 
 
 def test_release_window_is_eta_plus_one_batches_ahead():
@@ -64,3 +64,35 @@ def test_the_prompt_source_keeps_to_max_in_flight(tmp_path):
     trained_one = msgspec.structs.replace(INITIAL, version=1, groups_consumed=2)
     assert release_all(trained_one) == 5  # 1 * B + 3
     assert release_all(msgspec.structs.replace(trained_one, groups_dropped=1)) == 6
+
+
+def test_skips_ahead_is_one_version_of_the_trainer_s_recent_skips():
+    # 10 skips per version over versions 2..5, then 4 at version 6: (40 - 6) / 4 versions, rounded down
+    skipped_by = {2: 6, 3: 16, 4: 26, 5: 36, 6: 40}
+    assert skips_ahead(skipped_by, version=6, max_staleness=4) == 8
+    # the rate starts at the oldest version within the window: from version 4, (40 - 26) / 2
+    assert skips_ahead(skipped_by, version=6, max_staleness=4, window=2) == 7
+    assert skips_ahead(skipped_by, version=6, max_staleness=0) == 0  # synchronous: nothing released ahead
+    assert skips_ahead({6: 40}, version=6, max_staleness=4) == 0  # one version seen (a restart): no rate yet
+    assert skips_ahead({2: 6, 3: 16}, version=4, max_staleness=4) == 0  # this version not announced yet
+    assert skips_ahead({0: 0, 1: 1, 2: 3}, version=2, max_staleness=1) == 1  # 1.5 a version, rounded down
+
+
+def test_the_prompt_source_releases_ahead_of_the_trainer_s_skips(tmp_path):
+    build_tokenizer(tmp_path / "model")
+    config = load_config(None, [f"runs_dir={tmp_path}", f"model.path={tmp_path / 'model'}", "trainer.steps=100"])
+    source = Source(config, [Row(i, f"{i}+1=", str(i + 1), {}) for i in range(500)], released=[])
+    B, eta = config.trainer.batch_groups, config.trainer.max_staleness  # the demo's: 8 and 4
+
+    def release_all(version: WeightVersion) -> int:
+        while source.may_release(version):
+            source.next_group(version)
+        return source.released
+
+    assert release_all(INITIAL) == (eta + 1) * B
+    # version 1: 8 trained, 6 skipped and replaced, and 6 more released ahead of the next version's skips
+    v1 = msgspec.structs.replace(INITIAL, version=1, groups_consumed=8, groups_dropped=6, groups_skipped=6)
+    assert release_all(v1) == (eta + 2) * B + 6 + 6
+    # a stale drop frees its slot, but no skip is expected for it: 12 skipped over 2 versions, 6 a version
+    v2 = msgspec.structs.replace(v1, version=2, groups_consumed=16, groups_dropped=13, groups_skipped=12)
+    assert release_all(v2) == (eta + 3) * B + 13 + 6

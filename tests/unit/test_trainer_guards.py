@@ -219,6 +219,7 @@ async def test_with_skip_uniform_groups_a_group_without_advantage_is_recorded_dr
     announced = transport.broker.messages("weights", WeightVersion)
     assert announced[-1].groups_dropped == 2 and announced[-1].groups_consumed == 2
     assert [a.version for a in announced] == [0, 0, 1, 2]  # drops announce their version's file again...
+    assert [a.groups_skipped for a in announced] == [0, 2, 2, 2]  # (the source releases ahead of these)
     assert written == [0, 1, 2]  # ...without writing it again
 
 
@@ -252,6 +253,7 @@ async def test_a_drop_pending_at_a_stop_is_kept_by_its_checkpoint_and_recorded_b
     assert [[d.prompt_id for d in m.dropped] for m in manifests] == [[], ["p1"]]
     final = transport.broker.messages("weights", WeightVersion)[-1]
     assert (final.version, final.final, final.groups_dropped, final.groups_consumed) == (2, True, 1, 2)
+    assert final.groups_skipped == 1  # counted again from the manifest that records the drop
 
 
 def test_restore_keeps_the_checkpoints_pending_drops_that_no_manifest_has_recorded():

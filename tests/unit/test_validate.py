@@ -174,6 +174,7 @@ def test_scored_edge_values_that_are_valid(changes):
         ({"step": -1}, ["step is -1"]),
         ({"groups_consumed": -1}, ["groups_consumed is -1"]),
         ({"groups_dropped": -1}, ["groups_dropped is -1"]),
+        ({"groups_skipped": -1}, ["groups_skipped is -1"]),
         ({"content_hash": "ab"}, ["content_hash 'ab' is not 64 lowercase hex digits"]),
         ({"content_hash": "0F" * 32}, ["is not 64 lowercase hex digits"]),
         ({"content_hash": "0g" * 32}, ["is not 64 lowercase hex digits"]),

@@ -30,6 +30,7 @@ class TrainerState:
     pending_drops: list[tuple[str, str]] = field(default_factory=list)  # (prompt id, reason): no manifest has them yet
     groups_consumed: int = 0
     groups_dropped: int = 0  # dropped groups recorded in manifests (pending_drops not yet)
+    groups_skipped: int = 0  # of those, the ones dropped for having no advantage
     trained_tokens: int = 0
     trained_trajectories: int = 0
     interrupted_trajectories: int = 0

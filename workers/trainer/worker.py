@@ -68,6 +68,11 @@ def restore(
     return redo, GroupBuffer(trained, done), pending
 
 
+def skipped(dropped: list[DroppedGroup]) -> int:
+    """How many of `dropped` had no advantage (skip_uniform_groups), not a passed deadline."""
+    return sum(d.reason.startswith(UNIFORM) for d in dropped)
+
+
 def new_manifest(
     groups: list[Group], version: int, resume: dict[int, int], dropped: list[DroppedGroup]
 ) -> BatchManifest:
@@ -192,6 +197,7 @@ class Lead:
             recorded = await self.outbox.send("batches", manifest, key=manifest.step)
             self.pending_drops = []
         self.state.groups_dropped += len(manifest.dropped)  # a redone manifest's drops too: the count is the manifests'
+        self.state.groups_skipped += skipped(manifest.dropped)
         clock.lap("time_manifest")
         step_started, tracer = time.monotonic(), self.ctx.tracer
         with tracer.start_as_current_span("train step", attributes={"asyncrl.step": manifest.step}) as step_span:
@@ -250,7 +256,11 @@ class Lead:
         clock.lap("time_publish")
         version = {"version": st.step, "step": st.step, "final": final}
         dropped = st.groups_dropped + len(self.pending_drops)  # the source releases in their place at once
-        counts = {"groups_consumed": st.groups_consumed, "groups_dropped": dropped}
+        counts = {
+            "groups_consumed": st.groups_consumed,
+            "groups_dropped": dropped,
+            "groups_skipped": st.groups_skipped + skipped(self.pending_drops),
+        }
         previous, snapped = self.publishing, time.perf_counter()
         self.publishing = asyncio.create_task(self.publish(weights, version | counts, [previous, after], snapped))
         if final:
@@ -303,6 +313,7 @@ class Lead:
             trained_trajectories=st.trained_trajectories,
             groups_consumed=st.groups_consumed,
             groups_dropped=st.groups_dropped,
+            groups_skipped=st.groups_skipped,
             interrupted_trajectories=st.interrupted_trajectories,
             mixed_version_trajectories=st.mixed_version_trajectories,
             max_staleness_trained=st.max_staleness_trained,
