@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Awaitable
 from dataclasses import replace
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -186,13 +187,16 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
             version = await weights.poll(0 if source.released == 0 else 0.1) or INITIAL
             if version.final:
                 break
+            deliveries = []
             while source.may_release(version):
-                await release(ctx, outbox, source.next_group(version))
+                deliveries.append(await release(ctx, outbox, source.next_group(version)))
+            await asyncio.gather(*deliveries)  # together: one at a time, each waited out the producer's linger
         ctx.log.info("prompt source finished", released=source.released, version=version.version)
 
 
-async def release(ctx: runtime.WorkerContext, outbox: Outbox, group: PromptGroup) -> None:
-    """One group on `prompts`, delivered, in a new trace: every span of its journey descends from this one."""
+async def release(ctx: runtime.WorkerContext, outbox: Outbox, group: PromptGroup) -> Awaitable:
+    """One group queued on `prompts` (await the result for its delivery), in a new trace: every span of its
+    journey descends from this one."""
     with ctx.tracer.start_as_current_span(
         "release prompt",
         attributes={
@@ -201,4 +205,4 @@ async def release(ctx: runtime.WorkerContext, outbox: Outbox, group: PromptGroup
             "asyncrl.version": group.released_at_version,
         },
     ):
-        await outbox.send_now("prompts", group, key=group.prompt_id, headers=trace_headers())
+        return await outbox.send("prompts", group, key=group.prompt_id, headers=trace_headers())
