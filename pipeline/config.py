@@ -171,7 +171,7 @@ def resolve(config: RunConfig) -> RunConfig:
     rollout.max_new_tokens 0 and model.warmup_steps null -> the task's defaults; rollout.cache_lag null -> 1 on
     the torch backend, 0 on vLLM; model.dtype auto -> bfloat16 on
     CUDA, float32 on CPU; broker.fetch_wait_ms 0 -> 20 ms when trainer.max_staleness is 0 (every hop is on the
-    critical path of a synchronous step), else 200 ms; broker.sole_consumers null -> false (`on_one_machine`
+    critical path of a synchronous step), else 50 ms; broker.sole_consumers null -> false (`on_one_machine`
     sets it first under `asyncrl run`);
     trainer.threads and rollout.threads 0 -> their shares of `cores` (0, a deployment: 1 each);
     trainer.checkpoint.weights_dir '' -> <runs_dir>/<name>/weights, absolute.
@@ -189,7 +189,7 @@ def resolve(config: RunConfig) -> RunConfig:
     if model.dtype == "auto":
         model = replace(model, dtype="bfloat16" if model.device.startswith("cuda") else "float32")
     if not broker.fetch_wait_ms:
-        broker = replace(broker, fetch_wait_ms=20 if trainer.max_staleness == 0 else 200)
+        broker = replace(broker, fetch_wait_ms=20 if trainer.max_staleness == 0 else 50)
     if broker.sole_consumers is None:  # not `asyncrl run` (on_one_machine): a deployment, whose roles may scale
         broker = replace(broker, sole_consumers=False)
     if not (trainer.threads and rollout.threads):

@@ -46,10 +46,10 @@ class BrokerConfig(Section):
     fetch_wait_ms: Annotated[
         int,
         doc(
-            "longest a worker's fetch waits at the broker for new records (Tansu answers only at this deadline, so "
-            "it is latency per hop); 0 = 20 when trainer.max_staleness is 0 (every hop is on the critical path "
-            "of a synchronous step), else 200 (the pipeline runs ahead, so latency is hidden, and fewer idle "
-            "fetches leave the cores to generation and training)",
+            "longest a worker's fetch waits at the broker for new records (on Tansu a hop's latency grows with "
+            "it: a record reached a waiting consumer after ~7 ms at 20 or 50, ~25 ms at 200); 0 = 20 when "
+            "trainer.max_staleness is 0 (every hop is on the critical path of a synchronous step), else 50 (a "
+            "run of short steps waits on its hops at 200; at 20 the idle fetches take the cores from generation)",
             ge=0,
         ),
     ] = 0
@@ -291,8 +291,8 @@ class TrainerConfig(Section):
         doc(
             "per step, drop up to this many complete groups whose samples all got the same reward (no advantage) "
             "and train on later ones instead, so the batch carries more signal (DAPO's dynamic sampling); the "
-            "prompt source releases a group in place of each one dropped; the cap bounds the extra generation "
-            "once most groups are solved; 0 = off",
+            "prompt source releases a group in place of each one dropped, and one version's worth of the recent "
+            "drops ahead of them; the cap bounds the extra generation once most groups are solved; 0 = off",
             ge=0,
         ),
     ] = 0

@@ -68,7 +68,7 @@ class PromptGroup(Message, kw_only=True):
     prompt_id: str  # source: unique per run, dataset row and epoch; rollout: prefix of trajectory ids
     row_index: int  # source: the dataset row; replay: find the row again
     epoch: int  # source: pass over the dataset (0-based)
-    release_index: int  # source: N, the ordinal of this group among all released; trainer: oldest first
+    release_index: int  # source: increasing over the run's releases; trainer: oldest first
     released_at_version: int  # source: trainer version when released; rollout waits to hold it; trainer: staleness
     prompt_text: str  # source; reward: passed to the reward function
     prompt_tokens: list[int]  # source (tokenised once); rollout: the prefix to generate from
@@ -140,8 +140,7 @@ class WeightVersion(Message, kw_only=True):
     step: int  # trainer: the step that produced the version
     groups_consumed: int  # trainer: groups trained so far
     groups_dropped: int  # trainer: groups dropped so far; source: widens the staleness window
-    groups_skipped: int = 0  # trainer: of those, the ones without advantage (skip_uniform_groups); source: releases
-    # ahead of the skips it expects
+    groups_skipped: int = 0  # trainer: of those, the ones without advantage; source: releases ahead of such skips
     final: bool = False  # trainer: no further versions follow; workers may stop
 
 

@@ -3,8 +3,9 @@
 It follows `weights` for the trainer's version and dropped count and releases a
 group only while N < (i + eta + 1) * B + dropped + the skips it expects next
 (`workers.staleness.skips_ahead`), and never more groups than the run's steps can
-train (steps * B + dropped), so every released group ends up trained or dropped. After a restart it reads back what `prompts` already holds
-and continues after the last released row.
+train (steps * B + dropped), so every released group ends up trained or dropped.
+After a restart it reads back what `prompts` already holds and continues after the
+last released row.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ class Source:
 
     def __init__(self, config: RunConfig, rows: list[Row], released: list[PromptGroup]):
         self.config, self.cursor = config, Cursor.after(rows, config.seed, released)
-        self.released = len({g.prompt_id for g in released})
+        self.released = len({g.prompt_id for g in released})  # N of the bound
+        self.next_index = max((g.release_index for g in released), default=-1) + 1  # past a hole a crash left
         self.skipped_by: dict[int, int] = {}  # version -> the trainer's skips when it was first announced
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
         if config.data.template == "chat":  # once here rather than a confusing failure per prompt
@@ -118,15 +120,17 @@ class Source:
     def exhausted(self) -> bool:
         return self.cursor.epoch >= self.config.data.epochs
 
+    def follow(self, version: WeightVersion) -> None:
+        """Note the trainer's skips as of `version`'s first announcement (`skips_ahead` reads them)."""
+        self.skipped_by.setdefault(version.version, version.groups_skipped)
+        for old in [v for v in self.skipped_by if v < version.version - SKIP_WINDOW]:
+            del self.skipped_by[old]
+
     def may_release(self, version: WeightVersion) -> bool:
         """Another group fits the staleness bound, widened by the skips expected ahead (`skips_ahead`), and
         the run's steps can still train it."""
         cfg = self.config.trainer
         needed = cfg.steps * cfg.batch_groups + version.groups_dropped
-        self.skipped_by.setdefault(version.version, version.groups_skipped)
-        for old in [v for v in self.skipped_by if v < version.version - SKIP_WINDOW]:
-            del self.skipped_by[old]
-        ahead = skips_ahead(self.skipped_by, version.version, cfg.max_staleness)
         return (
             self.released < needed
             and not self.exhausted
@@ -135,20 +139,21 @@ class Source:
                 version.version,
                 cfg.batch_groups,
                 cfg.max_staleness,
-                version.groups_dropped + ahead,
+                version.groups_dropped,
                 cfg.max_in_flight,
+                skips_ahead(self.skipped_by, version.version, cfg.max_staleness),
             )
         )
 
     def next_group(self, version: WeightVersion) -> PromptGroup:
         row, epoch = self.cursor.take()
-        self.released += 1
+        self.released, self.next_index = self.released + 1, self.next_index + 1
         data = self.config.data
         return PromptGroup(
             prompt_id=f"e{epoch}-r{row.index}",
             row_index=row.index,
             epoch=epoch,
-            release_index=self.released - 1,
+            release_index=self.next_index - 1,
             released_at_version=version.version,
             prompt_text=row.prompt,
             prompt_tokens=encode_prompt(self.tokenizer, row.prompt, data.template, data.system_prompt),
@@ -187,10 +192,13 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
             version = await weights.poll(0 if source.released == 0 else 0.1) or INITIAL
             if version.final:
                 break
+            source.follow(version)
             deliveries = []
             while source.may_release(version):
                 deliveries.append(await release(ctx, outbox, source.next_group(version)))
-            await asyncio.gather(*deliveries)  # together: one at a time, each waited out the producer's linger
+            # together: one at a time, each waited out the producer's linger; a crash meanwhile may deliver later
+            # groups of other partitions and not an earlier one (a row left out this epoch; `next_index` skips it)
+            await asyncio.gather(*deliveries)
         ctx.log.info("prompt source finished", released=source.released, version=version.version)
 
 

@@ -94,7 +94,7 @@ def test_dry_run_shows_the_values_that_run(capsys, tmp_path):
     assert main(["run", "--dry-run", f"runs_dir={tmp_path}", "trainer.optim.lr=5e-5"]) == 0
     shown = yaml.safe_load(capsys.readouterr().out)
     assert shown["trainer"]["steps"] == 600  # the demo config's, not the schema default
-    assert shown["trainer"]["optim"]["lr"] == 5e-5 and shown["broker"]["fetch_wait_ms"] == 200
+    assert shown["trainer"]["optim"]["lr"] == 5e-5 and shown["broker"]["fetch_wait_ms"] == 50
     assert shown["trainer"]["checkpoint"]["weights_dir"] == str(tmp_path / "arith" / "weights")
     assert main(["run", "--dry-run", "--explain", "trainer.max_staleness=0"]) == 0
     explained = capsys.readouterr().out
@@ -110,7 +110,7 @@ def test_resolve_is_idempotent_and_keeps_what_was_set():
 def test_fetch_wait_follows_the_staleness_bound_unless_set():
     wait = lambda *overrides: resolve(load_config(None, list(overrides))).broker.fetch_wait_ms  # noqa: E731
     assert wait("trainer.max_staleness=0") == 20  # synchronous: every hop is on the critical path
-    assert wait("trainer.max_staleness=4") == 200
+    assert wait("trainer.max_staleness=4") == 50
     assert wait("trainer.max_staleness=0", "broker.fetch_wait_ms=7") == 7
 
 

@@ -110,7 +110,8 @@ class GroupBuffer:
         trainer_version - eta) must be in this batch: while one is still incomplete
         the trainer waits for it rather than step past its deadline, so stragglers
         (long answers) are trained, not dropped. Groups already past their deadline
-        (possible only if their release was seen late) are dropped with the reason,
+        (possible only if their release was seen late, or it was released ahead of skips
+        that did not come) are dropped with the reason,
         and so are, up to `skip_uniform` per version, complete groups whose samples all
         got the same reward. Returns an empty batch until the batch can be made.
         """
