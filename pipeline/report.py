@@ -74,6 +74,6 @@ def write_tensorboard(lines: list[dict], directory: Path) -> None:
             for key, value in line.items():
                 if key not in ("step", "time", "source") and isinstance(value, (int, float)):
                     writer.add_scalar(f"{line['source']}/{key}", value, line["step"], walltime=line["time"])
-            if "staleness_histogram" in line:  # trajectories per staleness (versions behind the trainer)
+            if line.get("staleness_histogram"):  # trajectories per staleness (versions behind the trainer)
                 lags = [lag for lag, count in enumerate(line["staleness_histogram"]) for _ in range(count)]
                 writer.add_histogram(f"{line['source']}/staleness", np.array(lags), line["step"], walltime=line["time"])

@@ -24,3 +24,12 @@ def test_tensorboard_is_written_anew_so_an_earlier_launch_s_lines_do_not_stay(tm
     write_tensorboard([{"source": "trainer", "step": 1, "time": 2.0, "loss": 0.5}], tmp_path)  # a resumed run's report
     events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0}).Reload()
     assert [(e.step, e.value) for e in events.Scalars("trainer/loss")] == [(1, 0.5)]
+
+
+def test_a_line_with_an_empty_staleness_histogram_has_its_scalars_and_no_histogram(tmp_path):
+    """An empty histogram stopped a finished run's report (TensorBoard refuses one with no element)."""
+    lines = [{"source": "trainer", "step": 1, "time": 1.0, "loss": 0.5, "staleness_histogram": []}]
+    write_tensorboard(lines, tmp_path)
+    events = EventAccumulator(str(tmp_path), size_guidance={"histograms": 0, "scalars": 0}).Reload()
+    assert [e.value for e in events.Scalars("trainer/loss")] == [0.5]
+    assert "trainer/staleness" not in events.Tags()["histograms"]

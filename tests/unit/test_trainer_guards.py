@@ -269,6 +269,23 @@ def test_restore_keeps_the_checkpoints_pending_drops_that_no_manifest_has_record
     assert {"p0", "p1", "p2"} <= buffer.done_prompts and "p3" not in buffer.done_prompts  # the redo trains p3
 
 
+def test_restore_redoes_the_manifests_in_step_order_whatever_order_batches_gave_them():
+    """`batches` with two partitions is read partition by partition (steps 6, 10, 7, 8, 9 in a chaos run): a redo
+    in that order trained step 10's groups as step 7, with a staleness of -2."""
+    manifests = [
+        BatchManifest(
+            step=step,
+            trainer_version=step - 1,
+            trajectory_ids=[f"p{step}/0"],
+            scored_offsets=[(step % 2, step)],
+            consumed_offsets=[],
+        )
+        for step in (4, 6, 10, 5, 7, 8, 9)
+    ]
+    redo, _, _ = trainer_worker.restore(manifests, TrainerState(step=5))
+    assert [m.step for m in redo] == [6, 7, 8, 9, 10]
+
+
 def test_a_manifest_lists_the_groups_without_advantage_it_trains_and_drops():
     buffer = GroupBuffer()  # u0: both samples scored 1; m1: one scored 0, an advantage
     for index, (prompt_id, rewards) in enumerate([("u0", (1.0, 1.0)), ("m1", (1.0, 0.0))]):

@@ -60,7 +60,8 @@ def restore(
 ) -> tuple[list[BatchManifest], GroupBuffer, list[DroppedGroup]]:
     """After a (re)start from `state`: the manifests to re-execute, a buffer that skips what is done, and the
     groups the checkpoint had dropped that no manifest records yet (the next new manifest must)."""
-    redo = [m for m in manifests if m.step > state.step]  # written, but the step was lost with the process
+    # written, but the step was lost with the process; in step order (`batches` is read partition by partition)
+    redo = sorted((m for m in manifests if m.step > state.step), key=lambda m: m.step)
     trained = {t for m in manifests if m.step <= state.step for t in m.trajectory_ids}
     dropped = {d.prompt_id for m in manifests for d in m.dropped}
     done = set(state.done_prompts) | {prompt_id_of(t) for t in trained} | dropped
