@@ -31,6 +31,16 @@ class Audit:
         return not (self.lost or self.duplicated or self.problems)
 
 
+def order_problems(trainer_lines: list[dict]) -> list[str]:
+    """Steps that trained groups released at a later version than their own: a step trained out of its order (a
+    restarted trainer's redo), which the topics alone do not show (each manifest still names its own step)."""
+    return [
+        f"step {line['step']} trained groups released {-line['staleness_max']} versions after its own"
+        for line in trainer_lines
+        if line.get("staleness_max", 0) < 0
+    ]
+
+
 def decoded(export: TopicsExport, role: str, cls: type[M]) -> list[tuple[RawRecord, M]]:
     """The records of `role` that decode as `cls`, each with its record; poison is left out."""
     found = []

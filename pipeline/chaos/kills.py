@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.chaos import procs
-from pipeline.chaos.audit import Audit, audit_export
+from pipeline.chaos.audit import Audit, audit_export, order_problems
 from pipeline.chaos.runs import Launch, RunStalled, short_run, summary_of
 from workers.announce import load_key
 
@@ -150,6 +150,7 @@ def conclude(result: RunResult, launches: list[Launch], settings: Settings, star
     export = run_dir / "topics.export" if run_dir else None
     if export is not None and export.exists():
         result.audit = audit_export(export, settings.steps, load_key(run_dir))
+        result.audit.problems += order_problems(launches[-1].trainer_lines())  # a resumed launch's lines follow
     elif not result.error:
         result.error = "no topics.export: the run cannot be read back"
     result.seconds = round(time.monotonic() - started, 1)

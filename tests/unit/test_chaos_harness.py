@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.chaos import procs
-from pipeline.chaos.audit import Audit, fate_of_groups, step_problems
+from pipeline.chaos.audit import Audit, fate_of_groups, order_problems, step_problems
 from pipeline.chaos.kills import Kill, RunResult
 from pipeline.chaos.poison import RACING, READERS, RunView, decodes, randomised, table
 from pipeline.chaos.poisoning import reason_kind
@@ -101,6 +101,12 @@ def test_the_audit_finds_lost_groups_and_gaps_in_steps_and_versions() -> None:
     found = step_problems(manifests, versions, 3)
     assert found[0] == "manifest steps are not 1..3: repeated [2], missing [3]"
     assert found[1:] == ["versions announced are not 0..3: missing [2, 3]", "no final announcement of version 3"]
+
+
+def test_the_audit_finds_a_step_that_trained_groups_of_a_later_version() -> None:
+    """Session 33's chaos run: a restarted trainer redid step 10's manifest as step 7 (staleness -2)."""
+    lines = [{"step": 6, "staleness_max": 1}, {"step": 7, "staleness_max": -2}, {"step": 8}]
+    assert order_problems(lines) == ["step 7 trained groups released 2 versions after its own"]
 
 
 def test_a_role_with_a_lost_group_fails_and_one_short_of_trials_says_so() -> None:
