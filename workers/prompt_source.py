@@ -25,7 +25,7 @@ from workers import runtime
 from workers.announce import AnnouncementCheck, load_key
 from workers.models import check_chat_template, context_positions, encode_prompt
 from workers.rows import BadRow, Row, load_rows
-from workers.staleness import SKIP_WINDOW, may_release, skips_ahead
+from workers.staleness import may_release, skips_ahead
 
 
 def prompt_problem(
@@ -121,10 +121,8 @@ class Source:
         return self.cursor.epoch >= self.config.data.epochs
 
     def follow(self, version: WeightVersion) -> None:
-        """Note the trainer's skips as of `version`'s first announcement (`skips_ahead` reads them)."""
+        """Note the trainer's skips as of `version`'s first announcement (`skips_ahead` reads the recent ones)."""
         self.skipped_by.setdefault(version.version, version.groups_skipped)
-        for old in [v for v in self.skipped_by if v < version.version - SKIP_WINDOW]:
-            del self.skipped_by[old]
 
     def may_release(self, version: WeightVersion) -> bool:
         """Another group fits the staleness bound, widened by the skips expected ahead (`skips_ahead`), and

@@ -69,9 +69,9 @@ def restore(
     return redo, GroupBuffer(trained, done), pending
 
 
-def skipped(dropped: list[DroppedGroup]) -> int:
-    """How many of `dropped` had no advantage (skip_uniform_groups), not a passed deadline."""
-    return sum(d.reason.startswith(UNIFORM) for d in dropped)
+def is_skip(drop: DroppedGroup) -> bool:
+    """Dropped for having no advantage (skip_uniform_groups), not for a passed deadline."""
+    return drop.reason.startswith(UNIFORM)
 
 
 def new_manifest(
@@ -86,7 +86,7 @@ def new_manifest(
         scored_offsets=[where for g in groups for _, where in g.trajectories()],
         consumed_offsets=sorted(resume.items()),
         dropped=dropped,
-        uniform=uniform + [d.prompt_id for d in dropped if d.reason.startswith(UNIFORM)],
+        uniform=uniform + [d.prompt_id for d in dropped if is_skip(d)],
     )
 
 
@@ -174,7 +174,7 @@ class Lead:
             for group in dropped:
                 self.feed.traces.pop(group.prompt_id, None)
             self.pending_drops += dropped
-            if stale := [d for d in dropped if not d.reason.startswith(UNIFORM)]:  # uniform ones: by design
+            if stale := [d for d in dropped if not is_skip(d)]:  # uniform ones: by design
                 self.ctx.log.warning("groups dropped", groups=[d.prompt_id for d in stale], reason=stale[0].reason)
             await self.announce()  # the prompt source may release in their place
         return groups, None
@@ -198,7 +198,7 @@ class Lead:
             recorded = await self.outbox.send("batches", manifest, key=manifest.step)
             self.pending_drops = []
         self.state.groups_dropped += len(manifest.dropped)  # a redone manifest's drops too: the count is the manifests'
-        self.state.groups_skipped += skipped(manifest.dropped)
+        self.state.groups_skipped += sum(map(is_skip, manifest.dropped))
         clock.lap("time_manifest")
         step_started, tracer = time.monotonic(), self.ctx.tracer
         with tracer.start_as_current_span("train step", attributes={"asyncrl.step": manifest.step}) as step_span:
@@ -260,7 +260,7 @@ class Lead:
         counts = {
             "groups_consumed": st.groups_consumed,
             "groups_dropped": dropped,
-            "groups_skipped": st.groups_skipped + skipped(self.pending_drops),
+            "groups_skipped": st.groups_skipped + sum(map(is_skip, self.pending_drops)),
         }
         previous, snapped = self.publishing, time.perf_counter()
         self.publishing = asyncio.create_task(self.publish(weights, version | counts, [previous, after], snapped))
