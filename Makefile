@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # torch first and pinned: this pin is a local CPU wheel here; an unpinned torch pulls CUDA builds.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test test-unit compose-test chaos lint format install install-test clean gpu-check gpu-wheels
+.PHONY: demo test test-unit compose-test chaos lint format install install-test clean gpu-check gpu-rehearsal gpu-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -59,9 +59,14 @@ format: install-test
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-# on a CUDA machine, the GPU checks and benchmarks (README, GPU check); no install step, as a GPU machine has no registry
+# on a CUDA machine, the GPU checks and benchmarks (README, GPU check); no install step, as a GPU machine has no registry;
+# GPU_CHECK_ARGS passes options, e.g. GPU_CHECK_ARGS="--out $$OUT/gpu-check.json --only generate-bf16"
 gpu-check:
-	@$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) -m pipeline.cli gpu-check
+	@$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) -m pipeline.cli gpu-check $(GPU_CHECK_ARGS)
+
+# the same checks on this machine's CPU at toy sizes (~2 min on 2 cores): run it before spending a GPU's minutes
+gpu-rehearsal: install
+	$(BIN)/python -m pipeline.cli gpu-check --rehearse $(GPU_CHECK_ARGS)
 
 # cp312 manylinux wheels of the pipeline's dependencies a GPU machine lacks, into infra/gpu-wheels (carry it along)
 gpu-wheels: install

@@ -2,16 +2,22 @@
 
 It ran once, on an H100 in session 14 (numbers in the README, GPU check; two NCCL ranks need two GPUs).
 Without CUDA it prints one line and exits 2 before anything else. On CUDA it runs `CHECKS` in order, each on its
-own, so that a failing one does not hide the others' results, then prints a summary table and writes JSON:
+own, so that a failing one does not hide the others' results, then prints a summary table; the JSON is rewritten
+after every check, so a call cut off by the device's time limit still leaves what ran. The two targets the
+performance issue still needs a GPU for come first:
 
 - generate-bf16: `bench generate --device cuda --dtype bfloat16`, the engine against Hugging Face generate;
-- microbatch: `bench microbatch --device cuda` on a ~130M-parameter Qwen2 (the paper's +30 % is a GPU effect);
+- pipeline-100m: `bench pipeline` with a ~100M-parameter Qwen2 built here, so that decoding is memory-bound and
+  interruption can pay; it needs the pipeline's dependencies, installed from infra/gpu-wheels when missing;
 - packed-attention: the trainer's packed logprobs of variable-length rows on CUDA, through its chunked SDPA
   loop and through FlexAttention (one kernel over the packed row, the sequences as a block mask), float32 and
   bfloat16, against the trainer's CPU path;
 - nccl-1-rank, nccl-2-ranks: trainer steps of FSDP2 ranks under torchrun over NCCL against one process;
-- pipeline-100m: `bench pipeline` with a ~100M-parameter Qwen2 built here, so that decoding is memory-bound and
-  interruption can pay; it needs the pipeline's dependencies, installed from infra/gpu-wheels when missing.
+- microbatch: `bench microbatch --device cuda` on a ~130M-parameter Qwen2 (the paper's +30 % is a GPU effect).
+
+`--rehearse` runs the same checks, the same commands and code paths, on the CPU at toy sizes (`REHEARSAL`; gloo
+ranks for the NCCL ones): GPU time is lent rarely and by the minute, and a check that has rotted since the last
+GPU run (a renamed option, a moved module) must fail here, not there. Its numbers are no GPU numbers.
 
 torch is imported inside the functions: the no-CUDA line (and a plain one without torch) comes before any of it.
 `python -m pipeline.bench.gpu wheels` is `make gpu-wheels`; `... ranks OUT` is one rank's program under torchrun.
@@ -57,11 +63,46 @@ WHEEL_TAGS = [
     "--platform=manylinux2014_x86_64",
 ]
 
-# a ~130M-parameter Qwen2 (768 wide, 12 layers, 32k vocabulary) for `bench microbatch`, sequences up to 1,024 tokens
-MICROBATCH_ARGS = ["--hidden-size", "768", "--layers", "12", "--vocab-size", "32000", "--sequences", "64"]
-MICROBATCH_ARGS += ["--max-length", "1024", "--budget", "4096", "--dtype", "bfloat16"]
-PIPELINE_MODEL = {"hidden_size": 768, "layers": 12, "heads": 12, "kv_heads": 4}  # chain's demo recipe, ~100M
-PIPELINE_ARGS = ["--task", "chain", "--steps", "30", "--warmup-steps", "5", "--no-progress"]
+
+@dataclass(frozen=True)
+class Scale:
+    """Where the checks run and how large: the GPU check itself, or its rehearsal on the CPU."""
+
+    device: str  # what the model, the engine and the ranks run on
+    generate: tuple[str, ...]  # `bench generate` arguments besides --device
+    microbatch: tuple[str, ...]  # `bench microbatch` arguments besides --device
+    pipeline_model: dict  # chain's demo recipe, changed to this
+    pipeline: tuple[str, ...]  # `bench pipeline` arguments besides the model's path and device
+    label: str  # what the numbers are, in each check's line
+
+
+ON_GPU = Scale(
+    device="cuda",
+    generate=("--dtype", "bfloat16"),
+    # a ~130M-parameter Qwen2 (768 wide, 12 layers, 32k vocabulary), sequences up to 1,024 tokens
+    microbatch=(
+        *("--hidden-size", "768", "--layers", "12", "--vocab-size", "32000", "--sequences", "64"),
+        *("--max-length", "1024", "--budget", "4096", "--dtype", "bfloat16"),
+    ),
+    pipeline_model={"hidden_size": 768, "layers": 12, "heads": 12, "kv_heads": 4},  # ~100M parameters
+    # 20 steps, not session 14's 30, whose three runs alone took ~6 of the 10 minutes one device call may run
+    pipeline=("--task", "chain", "--steps", "20", "--warmup-steps", "4", "--no-progress"),
+    label="bfloat16",
+)
+REHEARSAL = Scale(
+    device="cpu",
+    generate=("--requests", "24", "--concurrency", "8", "--max-new-tokens", "16", "--repeats", "1"),
+    microbatch=(
+        *("--hidden-size", "64", "--vocab-size", "256", "--sequences", "8", "--max-length", "128"),
+        *("--budget", "256", "--steps", "1", "--repeats", "1"),
+    ),
+    pipeline_model={"hidden_size": 32, "layers": 1, "heads": 2, "kv_heads": 1},
+    pipeline=(
+        *("--task", "chain", "--steps", "4", "--warmup-steps", "1", "--max-new-tokens", "24", "--no-progress"),
+        *("--batch-groups", "2", "--n-samples", "2", "rollout.max_batch=8"),
+    ),
+    label="CPU rehearsal at toy sizes, not a GPU number",
+)
 
 # (prompt, completion) lengths of the variable-length rows the trainer checks use: 2 to 300 tokens
 SHAPES = [(9, 291), (3, 1), (16, 130), (1, 2), (5, 60), (12, 180), (2, 7), (8, 45)]
@@ -81,17 +122,20 @@ class Outcome:
     data: dict = field(default_factory=dict)  # numbers for the JSON
 
 
-Check = Callable[[Path], Outcome]  # given the directory for its JSON and files
+Check = Callable[[Scale, Path], Outcome]  # given its scale and the directory for its JSON and files
 
 
-def run_checks(checks: dict[str, Check], where: Path) -> list[dict]:
-    """Every check in order, each printing its result; one that raises is 'failed' and the next one runs."""
+def run_checks(
+    checks: dict[str, Check], scale: Scale, where: Path, save: Callable[[list[dict]], None] = lambda rows: None
+) -> list[dict]:
+    """Every check in order, each printing its result and `save`d with those before it; one that raises is
+    'failed' and the next one runs."""
     rows = []
     for name, check in checks.items():
         print(f"== {name}", flush=True)
         started = time.perf_counter()
         try:
-            outcome = check(where)
+            outcome = check(scale, where)
         except NotRun as exc:
             outcome = Outcome(NOT_RUN, str(exc))
         except Exception as exc:  # a broken check must not hide the results of the others
@@ -101,6 +145,7 @@ def run_checks(checks: dict[str, Check], where: Path) -> list[dict]:
         row = {"check": name, "status": outcome.status, "detail": outcome.detail, "seconds": seconds}
         rows.append({**row, "data": outcome.data})
         print(f"{name}: {outcome.status}: {outcome.detail}", flush=True)
+        save(rows)
     return rows
 
 
@@ -129,8 +174,9 @@ def no_cuda_line() -> str | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """`asyncrl gpu-check`: 2 without CUDA (nothing run) or for an unknown --only name, 1 if a check failed."""
-    if line := no_cuda_line():
+    """`asyncrl gpu-check`: 2 without CUDA (nothing run; `--rehearse` needs none) or for an unknown --only name,
+    1 if a check failed."""
+    if not args.rehearse and (line := no_cuda_line()):
         print(line)
         return 2
     unknown = sorted(set(args.only or ()) - CHECKS.keys())
@@ -138,21 +184,33 @@ def main(args: argparse.Namespace) -> int:
         print(f"asyncrl: unknown check {', '.join(unknown)} (checks: {', '.join(CHECKS)})", file=sys.stderr)
         return 2
     checks = {name: check for name, check in CHECKS.items() if not args.only or name in args.only}
-    out = Path(args.out).resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
+    scale = REHEARSAL if args.rehearse else ON_GPU
+    default = "runs/bench/gpu-rehearsal.json" if args.rehearse else "runs/bench/gpu-check.json"
+    out = Path(args.out or default).resolve()
+    where = out.parent / out.stem if args.rehearse else out.parent  # a rehearsal's files never replace a GPU run's
+    where.mkdir(parents=True, exist_ok=True)
+    if args.rehearse:
+        print("rehearsal: every check on the CPU at toy sizes; it shows the checks run, its numbers are no GPU's")
     install_dependencies()
-    rows = run_checks(checks, out.parent)
+    machine = gpu_machine(scale.device)
+
+    def save(rows: list[dict]) -> None:
+        out.write_text(json.dumps({"checks": rows, "machine": machine, "rehearsal": args.rehearse}, indent=2) + "\n")
+
+    rows = run_checks(checks, scale, where, save)
     print(summary_table(rows))
-    out.write_text(json.dumps({"checks": rows, "machine": gpu_machine()}, indent=2) + "\n")
     print(f"wrote {out}")
     return 1 if any(row["status"] == FAILED for row in rows) else 0
 
 
-def gpu_machine() -> dict:
+def gpu_machine(device: str) -> dict:
+    """The machine (`pipeline.bench.machine`) and, on CUDA, its CUDA version and GPUs."""
     import torch
 
     from pipeline.bench import machine
 
+    if device != "cuda":
+        return machine()
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return {**machine(), "cuda_version": torch.version.cuda, "gpus": names}
 
@@ -167,20 +225,22 @@ def run_asyncrl(argv: list[str], out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def generate_check(where: Path) -> Outcome:
-    report = run_asyncrl(["bench", "generate", "--device", "cuda", "--dtype", "bfloat16"], where / "gpu-generate.json")
+def generate_check(scale: Scale, where: Path) -> Outcome:
+    argv = ["bench", "generate", "--device", scale.device, *scale.generate]
+    report = run_asyncrl(argv, where / "gpu-generate.json")
     detail = (
         f"engine {report['speedup_vs_hf']}x HF generate on long-tailed lengths, "
-        f"{report['speedup_vs_hf_fixed']}x on fixed (bfloat16, the demo-sized Qwen2)"
+        f"{report['speedup_vs_hf_fixed']}x on fixed ({scale.label}, the demo-sized Qwen2)"
     )
     return Outcome(OK, detail, {k: report[k] for k in ("speedup_vs_hf", "speedup_vs_hf_fixed", "step_costs")})
 
 
-def microbatch_check(where: Path) -> Outcome:
-    report = run_asyncrl(["bench", "microbatch", "--device", "cuda", *MICROBATCH_ARGS], where / "gpu-microbatch.json")
+def microbatch_check(scale: Scale, where: Path) -> Outcome:
+    argv = ["bench", "microbatch", "--device", scale.device, *scale.microbatch]
+    report = run_asyncrl(argv, where / "gpu-microbatch.json")
     detail = (
         f"dynamic/fixed trained tokens/s {report['dynamic_over_fixed']}x, peak memory "
-        f"{report['peak_memory_ratio']}x ({report['model']['parameters'] / 1e6:.0f}M parameters)"
+        f"{report['peak_memory_ratio']}x ({report['model']['parameters'] / 1e6:.3g}M parameters, {scale.label})"
     )
     return Outcome(OK, detail, {k: report[k] for k in ("dynamic_over_fixed", "peak_memory_ratio", "modes")})
 
@@ -297,8 +357,8 @@ def packed_differences(device: str, dtypes: tuple[str, ...]) -> dict[str, float]
     return differences
 
 
-def packed_check(where: Path) -> Outcome:
-    differences = packed_differences("cuda", tuple(PACKED_TOLERANCE))
+def packed_check(scale: Scale, where: Path) -> Outcome:
+    differences = packed_differences(scale.device, tuple(PACKED_TOLERANCE))
     over = [name for name, value in differences.items() if value > PACKED_TOLERANCE[name.split()[-1]]]
     detail = "max |logprob - CPU| " + ", ".join(f"{name} {value:.1e}" for name, value in differences.items())
     detail += f" (tolerance {', '.join(f'{d} {t:g}' for d, t in PACKED_TOLERANCE.items())})"
@@ -379,11 +439,12 @@ def rank_differences(results: dict, device: str) -> dict[str, dict[str, float]]:
     return differences
 
 
-def ranks_check(world: int, where: Path) -> Outcome:
+def ranks_check(world: int, scale: Scale, where: Path) -> Outcome:
+    """`world` torchrun ranks against one process: NCCL on CUDA (a GPU each), gloo in a rehearsal."""
     import torch
 
     gpus = torch.cuda.device_count()
-    if gpus < world:
+    if scale.device == "cuda" and gpus < world:
         raise NotRun(f"{world} ranks need {world} GPUs, {gpus} here")
     out = where / f"gpu-ranks-{world}.pt"
     out.unlink(missing_ok=True)
@@ -391,11 +452,11 @@ def ranks_check(world: int, where: Path) -> Outcome:
     torchrun = [sys.executable, "-m", "pipeline.local_torchrun", f"--nproc-per-node={world}", *program]
     if (code := subprocess.run(torchrun, cwd=ROOT).returncode) != 0:
         raise RuntimeError(f"torchrun with {world} rank(s) exited {code}; its output is above")
-    differences = rank_differences(torch.load(out), "cuda")
+    differences = rank_differences(torch.load(out), scale.device)
     worst = {kind: max(d[kind] for d in differences.values()) for kind in ("stats", "weights")}
     status = OK if max(worst.values()) <= RANKS_TOLERANCE else FAILED
     detail = (
-        f"{world} NCCL rank(s) vs one process, {len(differences)} steps: stats within {worst['stats']:.1e}, "
+        f"{world} {'NCCL' if scale.device == 'cuda' else 'gloo'} rank(s) vs one process, {len(differences)} steps: stats within {worst['stats']:.1e}, "
         f"weights within {worst['weights']:.1e} (tolerance {RANKS_TOLERANCE:g})"
     )
     return Outcome(status, detail, differences)
@@ -453,18 +514,19 @@ def require_modules(*modules: str) -> None:
         raise NotRun(f"{error} (`make gpu-wheels` where PyPI is reachable, then bring infra/gpu-wheels along)")
 
 
-def build_pipeline_model(path: Path) -> int:
-    """The chain task's demo model at ~100M parameters (PIPELINE_MODEL), random weights: its end token comes
-    about once in the vocabulary's ~25 tokens, so outputs are geometric, long-tailed up to the limit. Parameters."""
+def build_pipeline_model(path: Path, recipe: dict) -> int:
+    """The chain task's demo model changed to `recipe` (~100M parameters on the GPU), random weights: its end token
+    comes about once in the vocabulary's ~25 tokens, so outputs are geometric, long-tailed up to the limit.
+    Parameters."""
     from pipeline.demo_model import build_model, build_tokenizer
     from workers.tasks.chain import Chain
 
     tokenizer = build_tokenizer(path, Chain.alphabet)
-    model = build_model(path, tokenizer, seed=0, recipe=replace(Chain.demo, **PIPELINE_MODEL))
+    model = build_model(path, tokenizer, seed=0, recipe=replace(Chain.demo, **recipe))
     return sum(p.numel() for p in model.parameters())
 
 
-def pipeline_check(where: Path) -> Outcome:
+def pipeline_check(scale: Scale, where: Path) -> Outcome:
     # the workers' modules, and what they import only when they get there: chain's verifier, the end-of-run report
     require_modules(
         "pipeline.launch",
@@ -474,25 +536,28 @@ def pipeline_check(where: Path) -> Outcome:
         "pipeline.report",
         "torch.utils.tensorboard",
     )
+    from pipeline.bench.pipeline import times  # after the check that its dependencies import
+
     model = where / "gpu-pipeline-model"
-    parameters = build_pipeline_model(model)
-    overrides = [f"model.path={model}", "model.device=cuda"]
-    report = run_asyncrl(["bench", "pipeline", *overrides, *PIPELINE_ARGS], where / "gpu-pipeline.json")
+    parameters = build_pipeline_model(model, scale.pipeline_model)
+    overrides = [f"model.path={model}", f"model.device={scale.device}"]
+    report = run_asyncrl(["bench", "pipeline", *overrides, *scale.pipeline], where / "gpu-pipeline.json")
     detail = (
-        f"async/sync trained tokens/s {report['async_over_sync']}x, interruption on/off generated tokens/s "
-        f"{report['interrupt_on_over_off']}x ({parameters / 1e6:.0f}M-parameter Qwen2, random weights, chain)"
+        f"async/sync trained tokens/s {times(report['async_over_sync'])}, interruption on/off generated tokens/s "
+        f"{times(report['interrupt_on_over_off'])} ({parameters / 1e6:.3g}M-parameter Qwen2, random weights, chain, "
+        f"{scale.label})"
     )
     keys = ("async_over_sync", "interrupt_on_over_off", "interrupt_on_over_off_trained", "runs")
     return Outcome(OK, detail, {"parameters": parameters, **{k: report[k] for k in keys}})
 
 
-CHECKS: dict[str, Check] = {
+CHECKS: dict[str, Check] = {  # the performance issue's open targets first (module docstring)
     "generate-bf16": generate_check,
-    "microbatch": microbatch_check,
+    "pipeline-100m": pipeline_check,
     "packed-attention": packed_check,
     "nccl-1-rank": functools.partial(ranks_check, 1),
     "nccl-2-ranks": functools.partial(ranks_check, 2),
-    "pipeline-100m": pipeline_check,
+    "microbatch": microbatch_check,
 }
 
 

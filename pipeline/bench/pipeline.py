@@ -130,9 +130,12 @@ def step_breakdown(steps: list[dict]) -> dict[str, float]:
     }
 
 
-def cpu_bound(runs: dict[str, dict], usable_cores: int) -> dict:
+def cpu_bound(runs: dict[str, dict], usable_cores: int) -> dict | None:
     """Each run's CPU work per step (the cores all roles used over its window / its steps per second) and what
-    async's work allows: its steps per second with every usable core busy, and that over sync's steps per second."""
+    async's work allows: its steps per second with every usable core busy, and that over sync's steps per second.
+    None where a run's window held fewer than two of the CPU sampler's samples (a window under its interval)."""
+    if not all(r["cpu_cores"] for r in runs.values()):
+        return None
     per_step = {name: sum(r["cpu_cores"].values()) / r["steps_per_s"] for name, r in runs.items()}
     ceiling = usable_cores / per_step["async"]
     return {
@@ -267,6 +270,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def times(ratio: float | None) -> str:
+    """A ratio as printed: '1.23x', or why there is none."""
+    return "not measured" if ratio is None else f"{ratio:.2f}x"
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
@@ -290,13 +298,16 @@ def table(report: dict) -> str:
         cores = ", ".join(f"{role} {used:.2f}" for role, used in r["cpu_cores"].items())
         lines.append(f"{name} cores used: {cores} (total {sum(r['cpu_cores'].values()):.2f})")
     bound = report["cpu_bound"]
-    lines.append(
-        "core-seconds per step: "
-        + ", ".join(f"{name} {seconds:.2f}" for name, seconds in bound["core_seconds_per_step"].items())
-        + f"; all {report['cores_given']['usable_cores']} usable cores busy with async's work: "
-        f"{bound['async_ceiling_steps_per_s']:.3f} steps/s, {bound['async_ceiling_over_sync']:.2f}x sync "
-        "(this machine's ceiling)"
-    )
+    if bound is None:
+        lines.append("core-seconds per step: not measured (a run's window was shorter than the CPU sampler's interval)")
+    else:
+        lines.append(
+            "core-seconds per step: "
+            + ", ".join(f"{name} {seconds:.2f}" for name, seconds in bound["core_seconds_per_step"].items())
+            + f"; all {report['cores_given']['usable_cores']} usable cores busy with async's work: "
+            f"{bound['async_ceiling_steps_per_s']:.3f} steps/s, {bound['async_ceiling_over_sync']:.2f}x sync "
+            "(this machine's ceiling)"
+        )
     for hint in (
         rollout_bound(report["runs"]["async"], report["cores_given"]),
         straggler_bound(report["runs"]["async"]),
@@ -312,9 +323,9 @@ def table(report: dict) -> str:
     lines.append("rollout engines: rows per step | share of the workers' time in steps | ms per token")
     for name, r in report["runs"].items():
         lines.append(f"  {name}: {r['engine_rows_per_step']} | {r['engine_busy']} | {r['engine_ms_per_token']}")
-    lines.append(f"async/sync effective training throughput: {report['async_over_sync']:.2f}x")
+    lines.append(f"async/sync effective training throughput: {times(report['async_over_sync'])}")
     lines.append(
-        f"interruption on/off generation throughput: {report['interrupt_on_over_off']}x "
-        f"(training throughput {report['interrupt_on_over_off_trained']:.2f}x)"
+        f"interruption on/off generation throughput: {times(report['interrupt_on_over_off'])} "
+        f"(training throughput {times(report['interrupt_on_over_off_trained'])})"
     )
     return "\n".join(lines)

@@ -167,6 +167,8 @@ def test_cpu_bound_is_work_per_step_against_the_cores():
         "async_ceiling_over_sync": 2.0,
     }
     assert cpu_bound(runs, usable_cores=4)["async_ceiling_over_sync"] == 4.0
+    runs["async"]["cpu_cores"] = {}  # a window shorter than the CPU sampler's interval: no samples, no division
+    assert cpu_bound(runs, usable_cores=2) is None
 
 
 def test_a_busy_rollout_beside_idle_cores_is_named_with_the_fix():
@@ -272,3 +274,9 @@ def test_the_table_names_the_task_and_the_cores_given_and_used():
     assert table(busy).splitlines()[6] == f"async: {rollout_bound(busy['runs']['async'], report['cores_given'])}"
     held = {**run, "step_breakdown": {"wait": 0.394, "wait_due": 0.373, "train": 0.397}}
     assert table({**report, "runs": {"async": held}}).splitlines()[6] == f"async: {straggler_bound(held)}"
+    unmeasured = {**report, "cpu_bound": None, "interrupt_on_over_off": None, "interrupt_on_over_off_trained": None}
+    lines = table(unmeasured).splitlines()  # a run too short for the CPU sampler, no generation counted
+    assert (
+        lines[5] == "core-seconds per step: not measured (a run's window was shorter than the CPU sampler's interval)"
+    )
+    assert lines[-1] == "interruption on/off generation throughput: not measured (training throughput not measured)"

@@ -55,19 +55,19 @@ def test_it_starts_without_the_pipelines_dependencies(tmp_path):
     assert NO_CUDA.fullmatch(done.stdout) and done.stderr == ""
 
 
-def passing(where):
-    return gpu.Outcome(gpu.OK, f"measured in {where.name}", {"ratio": 1.5})
+def passing(scale, where):
+    return gpu.Outcome(gpu.OK, f"measured on {scale.device} in {where.name}", {"ratio": 1.5})
 
 
-def broken(where):
+def broken(scale, where):
     raise RuntimeError("the kernel crashed")
 
 
-def missing_gpu(where):
+def missing_gpu(scale, where):
     raise gpu.NotRun("2 ranks need 2 GPUs, 1 here")
 
 
-def out_of_tolerance(where):
+def out_of_tolerance(scale, where):
     return gpu.Outcome(gpu.FAILED, "max |logprob - CPU| 0.3", {"flex": 0.3})
 
 
@@ -75,13 +75,15 @@ FAKES = {"first": passing, "broken": broken, "two-ranks": missing_gpu, "toleranc
 
 
 def test_the_runner_goes_on_past_a_failing_check(tmp_path, capsys):
-    rows = gpu.run_checks(FAKES, tmp_path)
+    saved = []
+    rows = gpu.run_checks(FAKES, gpu.ON_GPU, tmp_path, save=lambda rows: saved.append([r["check"] for r in rows]))
+    assert saved == [list(FAKES)[:n] for n in range(1, len(FAKES) + 1)]  # after every check: a cut-off call keeps them
     assert [(r["check"], r["status"], r["detail"]) for r in rows] == [
-        ("first", "ok", f"measured in {tmp_path.name}"),
+        ("first", "ok", f"measured on cuda in {tmp_path.name}"),
         ("broken", "failed", "RuntimeError: the kernel crashed"),
         ("two-ranks", "not run", "2 ranks need 2 GPUs, 1 here"),
         ("tolerance", "failed", "max |logprob - CPU| 0.3"),
-        ("last", "ok", f"measured in {tmp_path.name}"),
+        ("last", "ok", f"measured on cuda in {tmp_path.name}"),
     ]
     assert rows[0]["data"] == {"ratio": 1.5} and rows[1]["data"] == {} and rows[3]["data"] == {"flex": 0.3}
     assert all(r["seconds"] >= 0 for r in rows)
@@ -115,13 +117,13 @@ def with_cuda(monkeypatch):
     """main as on a CUDA machine, with the fake checks: nothing installed, no GPU asked about."""
     monkeypatch.setattr(gpu, "no_cuda_line", lambda: None)
     monkeypatch.setattr(gpu, "install_dependencies", lambda: None)
-    monkeypatch.setattr(gpu, "gpu_machine", lambda: {"gpus": ["fake"]})
+    monkeypatch.setattr(gpu, "gpu_machine", lambda device: {"gpus": ["fake"]})
     monkeypatch.setattr(gpu, "CHECKS", FAKES)
 
 
 def test_main_runs_every_check_and_exits_1_when_one_failed(with_cuda, tmp_path, capsys):
     out = tmp_path / "gpu-check.json"
-    assert gpu.main(argparse.Namespace(out=str(out), only=None)) == 1
+    assert gpu.main(argparse.Namespace(out=str(out), only=None, rehearse=False)) == 1
     report = json.loads(out.read_text())
     assert [row["check"] for row in report["checks"]] == list(FAKES) and report["machine"] == {"gpus": ["fake"]}
     assert capsys.readouterr().out.splitlines()[-2:] == ["2 ok, 2 failed, 1 not run", f"wrote {out}"]
@@ -129,9 +131,9 @@ def test_main_runs_every_check_and_exits_1_when_one_failed(with_cuda, tmp_path, 
 
 def test_main_with_only_passing_or_not_run_checks_exits_0(with_cuda, tmp_path):
     out = tmp_path / "gpu-check.json"
-    assert gpu.main(argparse.Namespace(out=str(out), only=["two-ranks", "last"])) == 0
+    assert gpu.main(argparse.Namespace(out=str(out), only=["two-ranks", "last"], rehearse=False)) == 0
     assert [row["status"] for row in json.loads(out.read_text())["checks"]] == ["not run", "ok"]
-    assert gpu.main(argparse.Namespace(out=str(out), only=["nonesuch"])) == 2
+    assert gpu.main(argparse.Namespace(out=str(out), only=["nonesuch"], rehearse=False)) == 2
 
 
 def test_the_wheels_leave_out_what_the_gpu_machine_has():
@@ -157,3 +159,25 @@ def test_flex_attention_computes_the_trainers_packed_logprobs():
 def test_packed_attention_on_cuda_matches_the_cpu_path(tmp_path):
     outcome = gpu.packed_check(tmp_path)
     assert outcome.status == gpu.OK, outcome.detail
+
+
+@pytest.mark.slow
+def test_the_rehearsal_runs_every_check_on_the_cpu(tmp_path):
+    """`asyncrl gpu-check --rehearse`: the GPU check's own commands, end to end on the CPU at toy sizes (~2.5 min on
+    2 cores): a check that would fail on a lent GPU (an option renamed since, a module moved) fails here first."""
+    out = tmp_path / "rehearsal.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "gpu-check", "--rehearse", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    report = json.loads(out.read_text())
+    statuses = {row["check"]: row["status"] for row in report["checks"]}
+    assert statuses == dict.fromkeys(gpu.CHECKS, gpu.OK), done.stdout[-4000:] + done.stderr[-4000:]
+    assert done.returncode == 0 and report["rehearsal"] is True
+    assert "not a GPU number" in done.stdout  # no rehearsal line reads as a GPU measurement
+    data = {row["check"]: row["data"] for row in report["checks"]}
+    assert data["generate-bf16"]["speedup_vs_hf"] > 0 and data["pipeline-100m"]["async_over_sync"] > 0
+    assert data["nccl-2-ranks"]["naive, whole batch"]["weights"] <= gpu.RANKS_TOLERANCE
+    assert (tmp_path / "rehearsal" / "gpu-generate.json").exists()  # its files beside the report, in their folder
