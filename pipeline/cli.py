@@ -169,8 +169,9 @@ def add_gpu_check_parser(commands: argparse._SubParsersAction) -> None:
     )
     gpu.add_argument(
         "--out",
-        help="JSON results file; the checks' own files go beside it "
-        "(default: runs/bench/gpu-check.json; --rehearse: runs/bench/gpu-rehearsal.json, files in gpu-rehearsal/)",
+        help="JSON results file, rewritten after each check; the checks' own files go in its folder "
+        "(default: runs/bench/gpu-check.json; --rehearse: runs/bench/gpu-rehearsal.json, files in a folder of its "
+        "name beside it, runs/bench/gpu-rehearsal/)",
     )
     gpu.add_argument("--only", nargs="+", metavar="CHECK", help="run only these checks (names as in the table)")
     gpu.add_argument(

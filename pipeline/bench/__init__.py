@@ -115,5 +115,10 @@ def cores_line(cores: dict) -> str:
     )
 
 
+def times(ratio: float | None) -> str:
+    """A ratio as printed: '1.23x', or why there is none."""
+    return "not measured" if ratio is None else f"{ratio:.2f}x"
+
+
 def run(args: argparse.Namespace) -> int:
     return importlib.import_module(f"pipeline.bench.{args.bench}").run(args)

@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import functools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -73,7 +74,7 @@ class Scale:
     microbatch: tuple[str, ...]  # `bench microbatch` arguments besides --device
     pipeline_model: dict  # chain's demo recipe, changed to this
     pipeline: tuple[str, ...]  # `bench pipeline` arguments besides the model's path and device
-    label: str  # what the numbers are, in each check's line
+    note: str = ""  # said after every check's line: what its numbers are not
 
 
 ON_GPU = Scale(
@@ -87,21 +88,22 @@ ON_GPU = Scale(
     pipeline_model={"hidden_size": 768, "layers": 12, "heads": 12, "kv_heads": 4},  # ~100M parameters
     # 20 steps, not session 14's 30, whose three runs alone took ~6 of the 10 minutes one device call may run
     pipeline=("--task", "chain", "--steps", "20", "--warmup-steps", "4", "--no-progress"),
-    label="bfloat16",
 )
-REHEARSAL = Scale(
+REHEARSAL = Scale(  # ON_GPU's arguments, then smaller sizes (the last of an option counts): bfloat16 included
     device="cpu",
-    generate=("--requests", "24", "--concurrency", "8", "--max-new-tokens", "16", "--repeats", "1"),
+    generate=(*ON_GPU.generate, "--requests", "24", "--concurrency", "8", "--max-new-tokens", "16", "--repeats", "1"),
     microbatch=(
-        *("--hidden-size", "64", "--vocab-size", "256", "--sequences", "8", "--max-length", "128"),
+        *ON_GPU.microbatch,
+        *("--hidden-size", "64", "--layers", "2", "--vocab-size", "256", "--sequences", "8", "--max-length", "128"),
         *("--budget", "256", "--steps", "1", "--repeats", "1"),
     ),
     pipeline_model={"hidden_size": 32, "layers": 1, "heads": 2, "kv_heads": 1},
     pipeline=(
-        *("--task", "chain", "--steps", "4", "--warmup-steps", "1", "--max-new-tokens", "24", "--no-progress"),
-        *("--batch-groups", "2", "--n-samples", "2", "rollout.max_batch=8"),
+        *ON_GPU.pipeline,
+        *("--steps", "4", "--warmup-steps", "1", "--max-new-tokens", "24", "--batch-groups", "2", "--n-samples", "2"),
+        "rollout.max_batch=8",
     ),
-    label="CPU rehearsal at toy sizes, not a GPU number",
+    note="CPU rehearsal at toy sizes, not a GPU number",
 )
 
 # (prompt, completion) lengths of the variable-length rows the trainer checks use: 2 to 300 tokens
@@ -142,9 +144,11 @@ def run_checks(
             traceback.print_exc()
             outcome = Outcome(FAILED, f"{type(exc).__name__}: {exc}")
         seconds = round(time.perf_counter() - started, 1)
-        row = {"check": name, "status": outcome.status, "detail": outcome.detail, "seconds": seconds}
-        rows.append({**row, "data": outcome.data})
-        print(f"{name}: {outcome.status}: {outcome.detail}", flush=True)
+        detail = f"{outcome.detail} [{scale.note}]" if scale.note else outcome.detail
+        rows.append(
+            {"check": name, "status": outcome.status, "detail": detail, "seconds": seconds, "data": outcome.data}
+        )
+        print(f"{name}: {outcome.status}: {detail}", flush=True)
         save(rows)
     return rows
 
@@ -191,12 +195,19 @@ def main(args: argparse.Namespace) -> int:
     where.mkdir(parents=True, exist_ok=True)
     if args.rehearse:
         print("rehearsal: every check on the CPU at toy sizes; it shows the checks run, its numbers are no GPU's")
-    install_dependencies()
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # on a CUDA machine too: its subprocesses and ranks see no GPU
+    else:
+        install_dependencies()
     machine = gpu_machine(scale.device)
 
     def save(rows: list[dict]) -> None:
-        out.write_text(json.dumps({"checks": rows, "machine": machine, "rehearsal": args.rehearse}, indent=2) + "\n")
+        """The report so far, replaced whole (a kill mid-write leaves the last one); `pending`: not run yet."""
+        report = {"checks": rows, "pending": list(checks)[len(rows) :], "machine": machine, "rehearsal": args.rehearse}
+        partial = out.with_name(out.name + ".partial")
+        partial.write_text(json.dumps(report, indent=2) + "\n")
+        partial.replace(out)
 
+    save([])
     rows = run_checks(checks, scale, where, save)
     print(summary_table(rows))
     print(f"wrote {out}")
@@ -230,7 +241,7 @@ def generate_check(scale: Scale, where: Path) -> Outcome:
     report = run_asyncrl(argv, where / "gpu-generate.json")
     detail = (
         f"engine {report['speedup_vs_hf']}x HF generate on long-tailed lengths, "
-        f"{report['speedup_vs_hf_fixed']}x on fixed ({scale.label}, the demo-sized Qwen2)"
+        f"{report['speedup_vs_hf_fixed']}x on fixed (bfloat16, the demo-sized Qwen2)"
     )
     return Outcome(OK, detail, {k: report[k] for k in ("speedup_vs_hf", "speedup_vs_hf_fixed", "step_costs")})
 
@@ -240,7 +251,7 @@ def microbatch_check(scale: Scale, where: Path) -> Outcome:
     report = run_asyncrl(argv, where / "gpu-microbatch.json")
     detail = (
         f"dynamic/fixed trained tokens/s {report['dynamic_over_fixed']}x, peak memory "
-        f"{report['peak_memory_ratio']}x ({report['model']['parameters'] / 1e6:.3g}M parameters, {scale.label})"
+        f"{report['peak_memory_ratio']}x ({report['model']['parameters'] / 1e6:.3g}M parameters)"
     )
     return Outcome(OK, detail, {k: report[k] for k in ("dynamic_over_fixed", "peak_memory_ratio", "modes")})
 
@@ -455,8 +466,9 @@ def ranks_check(world: int, scale: Scale, where: Path) -> Outcome:
     differences = rank_differences(torch.load(out), scale.device)
     worst = {kind: max(d[kind] for d in differences.values()) for kind in ("stats", "weights")}
     status = OK if max(worst.values()) <= RANKS_TOLERANCE else FAILED
+    backend = "NCCL" if scale.device == "cuda" else "gloo"
     detail = (
-        f"{world} {'NCCL' if scale.device == 'cuda' else 'gloo'} rank(s) vs one process, {len(differences)} steps: stats within {worst['stats']:.1e}, "
+        f"{world} {backend} rank(s) vs one process, {len(differences)} steps: stats within {worst['stats']:.1e}, "
         f"weights within {worst['weights']:.1e} (tolerance {RANKS_TOLERANCE:g})"
     )
     return Outcome(status, detail, differences)
@@ -527,6 +539,8 @@ def build_pipeline_model(path: Path, recipe: dict) -> int:
 
 
 def pipeline_check(scale: Scale, where: Path) -> Outcome:
+    from pipeline.bench import times
+
     # the workers' modules, and what they import only when they get there: chain's verifier, the end-of-run report
     require_modules(
         "pipeline.launch",
@@ -536,16 +550,13 @@ def pipeline_check(scale: Scale, where: Path) -> Outcome:
         "pipeline.report",
         "torch.utils.tensorboard",
     )
-    from pipeline.bench.pipeline import times  # after the check that its dependencies import
-
     model = where / "gpu-pipeline-model"
     parameters = build_pipeline_model(model, scale.pipeline_model)
     overrides = [f"model.path={model}", f"model.device={scale.device}"]
     report = run_asyncrl(["bench", "pipeline", *overrides, *scale.pipeline], where / "gpu-pipeline.json")
     detail = (
         f"async/sync trained tokens/s {times(report['async_over_sync'])}, interruption on/off generated tokens/s "
-        f"{times(report['interrupt_on_over_off'])} ({parameters / 1e6:.3g}M-parameter Qwen2, random weights, chain, "
-        f"{scale.label})"
+        f"{times(report['interrupt_on_over_off'])} ({parameters / 1e6:.3g}M-parameter Qwen2, random weights, chain)"
     )
     keys = ("async_over_sync", "interrupt_on_over_off", "interrupt_on_over_off_trained", "runs")
     return Outcome(OK, detail, {"parameters": parameters, **{k: report[k] for k in keys}})

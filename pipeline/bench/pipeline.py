@@ -42,6 +42,7 @@ from pipeline.bench import (
     run_to_end,
     task_config,
     task_label,
+    times,
     with_model,
 )
 from pipeline.bench.cpu import CpuSampler
@@ -150,7 +151,7 @@ def rollout_bound(run: dict, cores: dict) -> str | None:
     generation is the bottleneck, and more workers would use the idle cores. None otherwise."""
     given = cores["rollout"]["processes"] * cores["rollout"]["threads"]
     used, idle = run["cpu_cores"].get("rollout", 0.0), cores["usable_cores"] - sum(run["cpu_cores"].values())
-    if used < 0.9 * given or idle < 0.4:
+    if not run["cpu_cores"] or used < 0.9 * given or idle < 0.4:  # {}: not measured, not idle
         return None
     workers = cores["rollout"]["processes"] + 1
     return (
@@ -270,11 +271,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def times(ratio: float | None) -> str:
-    """A ratio as printed: '1.23x', or why there is none."""
-    return "not measured" if ratio is None else f"{ratio:.2f}x"
-
-
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
@@ -296,7 +292,8 @@ def table(report: dict) -> str:
     lines.append(cores_line(report["cores_given"]))
     for name, r in report["runs"].items():
         cores = ", ".join(f"{role} {used:.2f}" for role, used in r["cpu_cores"].items())
-        lines.append(f"{name} cores used: {cores} (total {sum(r['cpu_cores'].values()):.2f})")
+        total = f" (total {sum(r['cpu_cores'].values()):.2f})" if cores else "not measured"
+        lines.append(f"{name} cores used: {cores}{total}")
     bound = report["cpu_bound"]
     if bound is None:
         lines.append("core-seconds per step: not measured (a run's window was shorter than the CPU sampler's interval)")

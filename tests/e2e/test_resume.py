@@ -106,7 +106,12 @@ def wait_until_gone(run: Launch, within_s: float) -> None:
 
 def test_a_sigkilled_launcher_s_run_is_resumed(launch) -> None:
     run = launch()
-    refused = resume(run.run_dir)  # too early: the run still runs
+    [trainer] = [pid for pid, cmdline in run.processes().items() if " worker trainer " in cmdline]
+    os.kill(trainer, signal.SIGSTOP)  # held mid-run: it cannot train its last steps while the resume starts
+    try:  # (a 20-step run on a slow machine once finished while the resume imported, and was not refused)
+        refused = resume(run.run_dir)  # too early: the run still runs
+    finally:
+        os.kill(trainer, signal.SIGCONT)
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
         f"asyncrl: {run.run_dir} is being run by another launcher (pid {run.process.pid}): stop it first "
         "(Ctrl-C or SIGTERM)"

@@ -275,7 +275,9 @@ def test_the_table_names_the_task_and_the_cores_given_and_used():
     held = {**run, "step_breakdown": {"wait": 0.394, "wait_due": 0.373, "train": 0.397}}
     assert table({**report, "runs": {"async": held}}).splitlines()[6] == f"async: {straggler_bound(held)}"
     unmeasured = {**report, "cpu_bound": None, "interrupt_on_over_off": None, "interrupt_on_over_off_trained": None}
-    lines = table(unmeasured).splitlines()  # a run too short for the CPU sampler, no generation counted
+    unmeasured["runs"] = {"async": {**run, "cpu_cores": {}}}  # a run too short for the CPU sampler
+    lines = table(unmeasured).splitlines()
+    assert lines[4] == "async cores used: not measured"  # not "0.00", and no idle cores to fill
     assert (
         lines[5] == "core-seconds per step: not measured (a run's window was shorter than the CPU sampler's interval)"
     )

@@ -28,6 +28,7 @@ class Hide(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError(f"No module named {name!r}")
 sys.meta_path.insert(0, Hide())
 """
+TEARDOWN_ABORT = "terminate called without an active exception"
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without CUDA")
 
 
@@ -87,6 +88,10 @@ def test_the_runner_goes_on_past_a_failing_check(tmp_path, capsys):
     ]
     assert rows[0]["data"] == {"ratio": 1.5} and rows[1]["data"] == {} and rows[3]["data"] == {"flex": 0.3}
     assert all(r["seconds"] >= 0 for r in rows)
+    rehearsed = gpu.run_checks({"first": passing}, gpu.REHEARSAL, tmp_path)  # each line says what it is not
+    assert (
+        rehearsed[0]["detail"] == f"measured on cpu in {tmp_path.name} [CPU rehearsal at toy sizes, not a GPU number]"
+    )
     captured = capsys.readouterr()
     assert "broken: failed: RuntimeError: the kernel crashed\n" in captured.out
     assert "RuntimeError: the kernel crashed" in captured.err  # the traceback, for whoever reads the log
@@ -126,7 +131,23 @@ def test_main_runs_every_check_and_exits_1_when_one_failed(with_cuda, tmp_path, 
     assert gpu.main(argparse.Namespace(out=str(out), only=None, rehearse=False)) == 1
     report = json.loads(out.read_text())
     assert [row["check"] for row in report["checks"]] == list(FAKES) and report["machine"] == {"gpus": ["fake"]}
+    assert report["pending"] == [] and report["rehearsal"] is False
     assert capsys.readouterr().out.splitlines()[-2:] == ["2 ok, 2 failed, 1 not run", f"wrote {out}"]
+
+
+def test_a_report_cut_off_mid_check_names_the_checks_still_pending(with_cuda, monkeypatch, tmp_path):
+    out = tmp_path / "gpu-check.json"
+
+    def killed(scale, where):  # what the device's time limit does to a call: the report on disk is all that is left
+        report = json.loads(out.read_text())
+        assert [row["check"] for row in report["checks"]] == ["first"] and report["pending"] == ["killed", "last"]
+        raise SystemExit("killed")
+
+    monkeypatch.setattr(gpu, "CHECKS", {"first": passing, "killed": killed, "last": passing})
+    with pytest.raises(SystemExit):
+        gpu.main(argparse.Namespace(out=str(out), only=None, rehearse=False))
+    assert json.loads(out.read_text())["pending"] == ["killed", "last"]
+    assert [p.name for p in tmp_path.iterdir()] == ["gpu-check.json"]  # written whole, no partial file left
 
 
 def test_main_with_only_passing_or_not_run_checks_exits_0(with_cuda, tmp_path):
@@ -157,27 +178,34 @@ def test_flex_attention_computes_the_trainers_packed_logprobs():
 
 @pytest.mark.gpu
 def test_packed_attention_on_cuda_matches_the_cpu_path(tmp_path):
-    outcome = gpu.packed_check(tmp_path)
+    outcome = gpu.packed_check(gpu.ON_GPU, tmp_path)
     assert outcome.status == gpu.OK, outcome.detail
 
 
 @pytest.mark.slow
 def test_the_rehearsal_runs_every_check_on_the_cpu(tmp_path):
-    """`asyncrl gpu-check --rehearse`: the GPU check's own commands, end to end on the CPU at toy sizes (~2.5 min on
+    """`asyncrl gpu-check --rehearse`: the GPU check's own commands, end to end on the CPU at toy sizes (~2 min on
     2 cores): a check that would fail on a lent GPU (an option renamed since, a module moved) fails here first."""
     out = tmp_path / "rehearsal.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "gpu-check", "--rehearse", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
+
+    def rehearse(*only: str) -> tuple[subprocess.CompletedProcess, dict[str, dict]]:
+        command = [sys.executable, "-m", "pipeline.cli", "gpu-check", "--rehearse", "--out", str(out)]
+        done = subprocess.run(
+            [*command, *(("--only", *only) if only else ())], capture_output=True, text=True, timeout=600
+        )
+        return done, {row["check"]: row for row in json.loads(out.read_text())["checks"]}
+
+    done, rows = rehearse()
+    aborted = [name for name, row in rows.items() if row["status"] != gpu.OK and name.startswith("nccl")]
+    if aborted and TEARDOWN_ABORT in done.stderr:  # two gloo ranks' rare exit race (see tests/integration/test_fsdp.py)
+        done, again = rehearse(*aborted)
+        rows |= again
+    assert {name: row["status"] for name, row in rows.items()} == dict.fromkeys(gpu.CHECKS, gpu.OK), (
+        done.stdout[-4000:] + done.stderr[-4000:]
     )
-    report = json.loads(out.read_text())
-    statuses = {row["check"]: row["status"] for row in report["checks"]}
-    assert statuses == dict.fromkeys(gpu.CHECKS, gpu.OK), done.stdout[-4000:] + done.stderr[-4000:]
-    assert done.returncode == 0 and report["rehearsal"] is True
-    assert "not a GPU number" in done.stdout  # no rehearsal line reads as a GPU measurement
-    data = {row["check"]: row["data"] for row in report["checks"]}
+    assert done.returncode == 0 and json.loads(out.read_text())["rehearsal"] is True
+    assert all(row["detail"].endswith("[CPU rehearsal at toy sizes, not a GPU number]") for row in rows.values())
+    data = {name: row["data"] for name, row in rows.items()}
     assert data["generate-bf16"]["speedup_vs_hf"] > 0 and data["pipeline-100m"]["async_over_sync"] > 0
     assert data["nccl-2-ranks"]["naive, whole batch"]["weights"] <= gpu.RANKS_TOLERANCE
     assert (tmp_path / "rehearsal" / "gpu-generate.json").exists()  # its files beside the report, in their folder
