@@ -216,12 +216,12 @@ def main(args: argparse.Namespace) -> int:
 
 def gpu_machine(device: str) -> dict:
     """The machine (`pipeline.bench.machine`) and, on CUDA, its CUDA version and GPUs."""
-    import torch
-
     from pipeline.bench import machine
 
     if device != "cuda":
         return machine()
+    import torch
+
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return {**machine(), "cuda_version": torch.version.cuda, "gpus": names}
 

@@ -151,7 +151,7 @@ def rollout_bound(run: dict, cores: dict) -> str | None:
     generation is the bottleneck, and more workers would use the idle cores. None otherwise."""
     given = cores["rollout"]["processes"] * cores["rollout"]["threads"]
     used, idle = run["cpu_cores"].get("rollout", 0.0), cores["usable_cores"] - sum(run["cpu_cores"].values())
-    if not run["cpu_cores"] or used < 0.9 * given or idle < 0.4:  # {}: not measured, not idle
+    if used < 0.9 * given or idle < 0.4:  # unmeasured ({}) uses 0 of its cores: no hint
         return None
     workers = cores["rollout"]["processes"] + 1
     return (
