@@ -129,7 +129,8 @@ def run_target(run_dir: Path, run: RunConfig, version: str) -> Target:
 
 def announced_hash(run_dir: Path, version: int) -> str | None:
     """The sha256 the trainer announced for `version`, from the run's topics export; None without one."""
-    from schemas.messages import DecodeError, WeightVersion, decode
+    from schemas.messages import WeightVersion
+    from schemas.validate import DecodeError, decode
     from topics.export import ExportError, load_export
 
     path = run_dir / "topics.export"

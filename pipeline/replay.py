@@ -30,14 +30,13 @@ from schemas.messages import (
     TOPIC_MESSAGE,
     BatchManifest,
     DeadLetter,
-    DecodeError,
     Message,
     PromptGroup,
     Scored,
     Segment,
     WeightVersion,
-    decode,
 )
+from schemas.validate import DecodeError, decode
 from topics.assembly import Attempt
 from topics.export import TopicsExport
 from topics.inspect import RawRecord, TopicOffsets, read_records

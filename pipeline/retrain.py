@@ -17,7 +17,8 @@ import torch
 
 from pipeline.monitor import read_metrics
 from schemas.config import RunConfig
-from schemas.messages import BatchManifest, DecodeError, Scored, decode
+from schemas.messages import BatchManifest, Scored
+from schemas.validate import DecodeError, decode
 from topics.inspect import RawRecord
 from workers import runtime
 from workers.trainer import checkpoint

@@ -1,7 +1,7 @@
 """Every message on every topic, as msgspec Structs encoded as MessagePack.
 
 Each field comment names who writes it and who reads it. A message carries
-`schema_version`; a reader rejects a version it does not know with a clear error
+`schema_version`; a reader (`schemas.validate.decode`) rejects a version it does not know with a clear error
 (and the worker sends the bytes to `dead-letter`), read before anything else of the
 record, so that a field added by a newer build is reported as the version it is.
 The struct's name travels in the `schema` message header so that replay tools can
@@ -15,12 +15,12 @@ at their defaults: replay of old exports and topics) and writes 3.
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Literal
 
 import msgspec
 
 SCHEMA_VERSION = 3
-READABLE_VERSIONS: frozenset[int] = frozenset({1, 2, 3})  # what `decode` accepts (see the module docstring)
+READABLE_VERSIONS: frozenset[int] = frozenset({1, 2, 3})  # what `validate.decode` accepts (module docstring)
 
 # "interrupted": a new policy version cut the segment; "tool": the model's turn ended at a tool call and the
 # tool's output follows in the same segment. Both are non-terminal: more segments of the same attempt follow.
@@ -52,12 +52,6 @@ def model_token_mask(loss_mask: list[int], tokens: int) -> list[int]:
 
 class Message(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Base of every topic message."""
-
-    schema_version: int = SCHEMA_VERSION
-
-
-class _Versioned(msgspec.Struct):
-    """Any record's version alone, whatever else it holds (unknown fields ignored): read first by `decode`."""
 
     schema_version: int = SCHEMA_VERSION
 
@@ -183,44 +177,7 @@ TOPIC_MESSAGE: dict[str, type[Message]] = {
 }
 
 _ENCODER = msgspec.msgpack.Encoder()
-_DECODERS = {cls: msgspec.msgpack.Decoder(cls) for cls in TOPIC_MESSAGE.values()}
-_VERSION_DECODER = msgspec.msgpack.Decoder(_Versioned)
-
-
-class DecodeError(ValueError):
-    """Bytes that are not a valid message of the expected type."""
 
 
 def encode(message: Message) -> bytes:
     return _ENCODER.encode(message)
-
-
-M = TypeVar("M", bound=Message)
-
-
-def decode(data: bytes, cls: type[M]) -> M:
-    """Decode `data` as `cls`, or raise DecodeError saying what is wrong (`schemas.validate` for the values).
-
-    Nothing else escapes: bytes off a topic are anyone's, and a worker dead-letters a DecodeError.
-    """
-    from schemas.validate import problems  # it imports this module
-
-    version = _read(data, cls, _VERSION_DECODER).schema_version
-    if version not in READABLE_VERSIONS:  # before the strict decoding, which would call a new field unknown
-        readable = ", ".join(map(str, sorted(READABLE_VERSIONS)))
-        raise DecodeError(f"{cls.__name__} has schema_version {version}, this build reads {readable}")
-    message = _read(data, cls, _DECODERS[cls])
-    if found := problems(message):
-        more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
-        raise DecodeError(f"not a valid {cls.__name__} message: {'; '.join(found[:3])}{more}")
-    return message
-
-
-def _read(data: bytes, cls: type[Message], decoder: msgspec.msgpack.Decoder) -> Any:
-    """`decoder`'s struct of `data`, or DecodeError naming `cls`."""
-    try:
-        return decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise DecodeError(f"not a valid {cls.__name__} message: {exc}") from exc
-    except Exception as exc:  # invalid UTF-8 in a string (UnicodeDecodeError), deep nesting, ...
-        raise DecodeError(f"not a valid {cls.__name__} message: {type(exc).__name__}: {exc}") from exc

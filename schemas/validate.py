@@ -1,10 +1,10 @@
-"""What a decoded message must satisfy whoever reads it: the contracts of the field comments in `messages.py`.
+"""Bytes off a topic into a message that holds the contracts of the field comments in `messages.py`.
 
-msgspec checks types; these functions check the values: finite numbers, lengths that agree, ids in their
-documented shape, counts and versions in range. Each returns the problems in words (empty for a valid
-message) and needs nothing but the message; `messages.decode` refuses a message with any, so a worker never
-meets one. What needs context (the model's vocabulary, a group's other trajectories) is checked by the
-worker that holds it.
+`decode` reads the version first, then the strict struct (msgspec checks types), then the values: finite
+numbers, lengths that agree, ids in their documented shape, counts and versions in range. Each `*_problems`
+function returns the problems in words (empty for a valid message) and needs nothing but the message;
+`decode` refuses a message with any, so a worker never meets one. What needs context (the model's vocabulary,
+a group's other trajectories) is checked by the worker that holds it.
 """
 
 from __future__ import annotations
@@ -12,10 +12,15 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
+
+import msgspec
 
 from schemas.messages import (
+    READABLE_VERSIONS,
+    SCHEMA_VERSION,
     TERMINAL_REASONS,
+    TOPIC_MESSAGE,
     BatchManifest,
     DeadLetter,
     Message,
@@ -150,6 +155,48 @@ PROBLEMS: dict[type[Message], Callable[[Any], list[str]]] = {
 def problems(message: Message) -> list[str]:
     """What is wrong with `message` (empty when nothing is), by its kind."""
     return PROBLEMS[type(message)](message)
+
+
+class DecodeError(ValueError):
+    """Bytes that are not a valid message of the expected type."""
+
+
+class _Versioned(msgspec.Struct):
+    """Any record's version alone, whatever else it holds (unknown fields ignored): read first by `decode`."""
+
+    schema_version: int = SCHEMA_VERSION
+
+
+_DECODERS = {cls: msgspec.msgpack.Decoder(cls) for cls in TOPIC_MESSAGE.values()}
+_VERSION_DECODER = msgspec.msgpack.Decoder(_Versioned)
+
+M = TypeVar("M", bound=Message)
+
+
+def decode(data: bytes, cls: type[M]) -> M:
+    """Decode `data` as `cls`, or raise DecodeError saying what is wrong (the type, the version or the values).
+
+    Nothing else escapes: bytes off a topic are anyone's, and a worker dead-letters a DecodeError.
+    """
+    version = _read(data, cls, _VERSION_DECODER).schema_version
+    if version not in READABLE_VERSIONS:  # before the strict decoding, which would call a new field unknown
+        readable = ", ".join(map(str, sorted(READABLE_VERSIONS)))
+        raise DecodeError(f"{cls.__name__} has schema_version {version}, this build reads {readable}")
+    message = _read(data, cls, _DECODERS[cls])
+    if found := problems(message):
+        more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+        raise DecodeError(f"not a valid {cls.__name__} message: {'; '.join(found[:3])}{more}")
+    return message
+
+
+def _read(data: bytes, cls: type[Message], decoder: msgspec.msgpack.Decoder) -> Any:
+    """`decoder`'s struct of `data`, or DecodeError naming `cls`."""
+    try:
+        return decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise DecodeError(f"not a valid {cls.__name__} message: {exc}") from exc
+    except Exception as exc:  # invalid UTF-8 in a string (UnicodeDecodeError), deep nesting, ...
+        raise DecodeError(f"not a valid {cls.__name__} message: {type(exc).__name__}: {exc}") from exc
 
 
 def _segment_group(segment: Segment, group: PromptGroup) -> list[str]:

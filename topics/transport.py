@@ -32,7 +32,8 @@ from typing import Generic, NamedTuple, Protocol, TypeVar
 import msgspec
 from opentelemetry import context as otel_context
 
-from schemas.messages import DeadLetter, DecodeError, Message, WeightVersion, decode, encode
+from schemas.messages import DeadLetter, Message, WeightVersion, encode
+from schemas.validate import DecodeError, decode
 from topics.names import DEAD_LETTER, TopicLayout
 from topics.tracing import context_of_headers
 

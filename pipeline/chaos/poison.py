@@ -14,17 +14,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from schemas.messages import (
-    TOPIC_MESSAGE,
-    DecodeError,
-    Message,
-    PromptGroup,
-    Scored,
-    Segment,
-    WeightVersion,
-    decode,
-    encode,
-)
+from schemas.messages import TOPIC_MESSAGE, Message, PromptGroup, Scored, Segment, WeightVersion, encode
+from schemas.validate import DecodeError, decode
 
 # Who reads each topic, and so must dead-letter what it cannot use (one rollout worker).
 READERS: dict[str, tuple[str, ...]] = {

@@ -11,7 +11,8 @@ import msgspec
 
 from pipeline.cli import main
 from pipeline.config import load_config, resolve
-from schemas.messages import BatchManifest, DeadLetter, PromptGroup, Scored, decode, encode
+from schemas.messages import BatchManifest, DeadLetter, PromptGroup, Scored, encode
+from schemas.validate import decode
 from topics.broker import EmbeddedBroker
 from topics.clients import make_producer, send_and_wait
 from topics.inspect import read_records

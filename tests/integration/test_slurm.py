@@ -38,7 +38,8 @@ from system_packages import apt_install
 from pipeline.chaos.audit import audit_export
 from pipeline.config import load_config
 from pipeline.retrain import load_record, retrain
-from schemas.messages import BatchManifest, WeightVersion, decode
+from schemas.messages import BatchManifest, WeightVersion
+from schemas.validate import decode
 from topics.export import export_topics, load_export
 from workers.announce import load_key
 

@@ -18,16 +18,15 @@ from aiokafka import AIOKafkaConsumer, ConsumerRecord
 from schemas.messages import (
     BatchManifest,
     DeadLetter,
-    DecodeError,
     DroppedGroup,
     Message,
     PromptGroup,
     Scored,
     Segment,
     WeightVersion,
-    decode,
     encode,
 )
+from schemas.validate import DecodeError, decode
 from topics.admin import BrokerUnreachable, TopicMismatchError, ensure_topics
 from topics.broker import BrokerError, EmbeddedBroker
 from topics.clients import (

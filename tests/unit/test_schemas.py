@@ -8,14 +8,13 @@ from schemas.messages import (
     READABLE_VERSIONS,
     SCHEMA_VERSION,
     TOPIC_MESSAGE,
-    DecodeError,
     PromptGroup,
     Scored,
     Segment,
     WeightVersion,
-    decode,
     encode,
 )
+from schemas.validate import DecodeError, decode
 
 EXAMPLES = VALID
 

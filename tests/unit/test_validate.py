@@ -16,20 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from message_examples import FIRST, GROUP, LATER, MANIFEST, SCORED, TOOL, VALID, WEIGHTS
 
-from schemas import messages
-from schemas.messages import (
-    TOPIC_MESSAGE,
-    DeadLetter,
-    DecodeError,
-    DroppedGroup,
-    Message,
-    PromptGroup,
-    Scored,
-    Segment,
-    decode,
-    encode,
-)
-from schemas.validate import MAX_ABS_REWARD, MAX_SAMPLES, MAX_TOKEN_ID, problems
+from schemas import validate
+from schemas.messages import TOPIC_MESSAGE, DeadLetter, DroppedGroup, Message, PromptGroup, Scored, Segment, encode
+from schemas.validate import MAX_ABS_REWARD, MAX_SAMPLES, MAX_TOKEN_ID, DecodeError, decode, problems
 
 
 def problems_after(message: Message, **changes: Any) -> list[str]:
@@ -230,7 +219,7 @@ def test_decode_turns_any_exception_of_the_decoder_into_a_decode_error(monkeypat
         def decode(self, data: bytes) -> None:
             raise RecursionError("maximum recursion depth exceeded")
 
-    monkeypatch.setitem(messages._DECODERS, Scored, Exhausted())
+    monkeypatch.setitem(validate._DECODERS, Scored, Exhausted())
     with pytest.raises(DecodeError, match="RecursionError: maximum recursion depth exceeded"):
         decode(encode(SCORED), Scored)
 
