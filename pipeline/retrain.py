@@ -73,7 +73,7 @@ def recorded_weights(config: RunConfig, step: int) -> tuple[Path, dict[str, torc
 
 
 def step_threads(config: RunConfig) -> dict[int, int]:
-    """The threads each step ran on (metrics.jsonl; more than trainer.threads where it borrowed cores)."""
+    """The threads each step ran on (metrics.jsonl: trainer.threads as resolved where the run ran)."""
     lines, _ = read_metrics(runtime.run_dir(config) / "metrics.jsonl")
     return {line["step"]: line["threads"] for line in lines if line["source"] == "trainer" and "threads" in line}
 

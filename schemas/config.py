@@ -268,13 +268,6 @@ class TrainerConfig(Section):
     ranks: Annotated[
         int, doc("trainer processes on this machine, FSDP2 ranks under torchrun (gloo on CPU, NCCL on CUDA)", ge=1)
     ] = 1
-    borrow_cores: Annotated[
-        bool,
-        doc(
-            "step on the cores a rollout worker leaves idle too (one rank, workers on one machine: `cores`), "
-            "giving them back after each step"
-        ),
-    ] = False
     batch_groups: Annotated[int, doc("prompt groups per step (B)", ge=1)] = 8
     max_staleness: Annotated[int, doc("eta: a group released at version v trains by version v + eta", ge=0)] = 4
     max_in_flight: Annotated[

@@ -32,7 +32,6 @@ from topics.tracing import trace_headers
 from topics.transport import Delivery, Inbox, Outbox, Transport, WeightsFollower
 from workers import runtime
 from workers.announce import AnnouncementCheck, load_key
-from workers.cores import CoreLedger, ledger_for
 from workers.models import load_causal_lm
 from workers.profiling import step_profiler
 from workers.rollout.engine import Engine
@@ -326,28 +325,21 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
     ):
         check = AnnouncementCheck(load_key(ctx.run_dir), verify_file=False)  # `load` verifies the sha256
         rollout, weights, waiting = Rollout(ctx, outbox, await building), WeightsFollower(weights_inbox, check), []
-        cores = ledger_for(config, ctx.run_dir)  # None: the worker keeps rollout.threads throughout
         ctx.log.info("rollout started", max_batch=config.rollout.max_batch, interrupt=interrupt)
         last_report, profiler = time.monotonic(), step_profiler(ctx)
         while not stop.is_set():
             latest = await weights.poll()
             new_version = rollout.wants(latest)
-            if new_version and (interrupt or rollout.engine.idle()):
-                if not await own_cores(cores, config.rollout.threads, stop):
-                    break
-                if await rollout.load(latest) and latest.final:
-                    break
+            loads = new_version and (interrupt or rollout.engine.idle())
+            if loads and await rollout.load(latest) and latest.final:
+                break
             arrived = await prompts.poll(0 if waiting or not rollout.engine.idle() else 0.05)
             waiting += await screen(prompts, arrived, rollout.engine.vocab)
             await admit(rollout, prompts, waiting, holding=new_version and not interrupt)
             await prompts.commit()
             if rollout.engine.idle() and not rollout.answered:  # calls being answered come back meanwhile
-                if cores is not None:
-                    cores.keep(0)  # the trainer may step on them meanwhile
                 await asyncio.sleep(0.005)
                 continue
-            if not await own_cores(cores, config.rollout.threads, stop):
-                break
             for flight in await rollout.step():
                 prompts.done(flight.delivery)
             profiler.step()
@@ -365,16 +357,8 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
                 )
                 last_report = time.monotonic()
         profiler.close()
-        if cores is not None:
-            cores.close()
         await prompts.commit(now=True)
         ctx.log.info("rollout finished", version=rollout.engine.version, interrupted_segments=rollout.interrupted)
-
-
-async def own_cores(cores: CoreLedger | None, threads: int, stop: asyncio.Event) -> bool:
-    """True once the worker holds its cores again (at once if it does; the trainer gives a lent one back after
-    its step); False if stopped meanwhile."""
-    return cores is None or len(cores.held) >= threads or await asyncio.to_thread(cores.hold, threads, stop.is_set)
 
 
 async def screen(prompts: Inbox[PromptGroup], arrived: list[Delivery[PromptGroup]], vocab: int) -> list[InFlight]:

@@ -45,7 +45,6 @@ from topics.export import ExportError, append_export
 from topics.transport import Delivery, Inbox, Outbox, Transport
 from workers import runtime
 from workers.announce import load_key, signed_headers
-from workers.cores import ledger_for
 from workers.profiling import step_profiler
 from workers.trainer import checkpoint
 from workers.trainer.buffer import UNIFORM, Group, GroupBuffer
@@ -154,9 +153,6 @@ class Lead:
         self.copied: int | None = None  # the newest version whose weights were copied for writing
         self.written: tuple[Path, str] | None = None  # its file and sha256, once written
         self.key = load_key(ctx.run_dir)  # signs every announcement (workers.announce); None: the run has no key
-        self.cores = ledger_for(ctx.config, ctx.run_dir)  # None: the trainer keeps trainer.threads throughout
-        if self.cores is not None and self.cores.take(self.cfg.threads) < self.cfg.threads:
-            ctx.log.warning("fewer free cores than trainer.threads: another process holds them", cores=ctx.config.cores)
 
     async def next_batch(self) -> tuple[list[Group], BatchManifest | None]:
         """A recorded step to redo once its groups are all here, else a new batch (empty while not ready)."""
@@ -212,7 +208,7 @@ class Lead:
                 for g in groups
                 if g.prompt_id in self.feed.traces
             ]
-            stats = await asyncio.to_thread(self.train_on_free_cores, groups)
+            stats = {**await asyncio.to_thread(self.trainer.train, groups), "threads": self.cfg.threads}
             for span in group_spans:
                 span.end()
         clock.lap("time_train")
@@ -227,19 +223,6 @@ class Lead:
             {**stats, **clock.seconds, "publish_lag": self.publish_lag, "write_seconds": self.write_seconds},
             time.monotonic() - step_started,
         )
-
-    def train_on_free_cores(self, groups: list[Group]) -> dict:
-        """The step on the trainer's own cores and on any a rollout worker has left idle, given back after it
-        (a rollout worker with work again waits for them at most this step); `threads`: how many it used."""
-        if self.cores is None:
-            return {**self.trainer.train(groups), "threads": self.cfg.threads}
-        threads = self.cfg.threads + self.cores.borrow(len(self.cores.files))
-        torch.set_num_threads(threads)
-        try:
-            return {**self.trainer.train(groups), "threads": threads}
-        finally:
-            self.cores.keep(self.cfg.threads)
-            torch.set_num_threads(self.cfg.threads)
 
     async def announce(self, final: bool = False, clock: PhaseClock | None = None, after: Awaitable | None = None):
         """Publish the current weights and tell `weights` (path and sha256, signed with the run's key).
@@ -380,6 +363,4 @@ async def lead(ctx: runtime.WorkerContext, trainer: Trainer, stop: asyncio.Event
                 loop.publishing.cancel()
         if stop.is_set() and st.step % cfg.checkpoint.every:
             await loop.checkpoint()
-        if loop.cores is not None:
-            loop.cores.close()
     ctx.log.info("trainer finished", step=st.step, stopped=stop.is_set())
