@@ -92,7 +92,7 @@ def load_model(config: RunConfig):
 
 def check_model(config: RunConfig, model) -> None:
     """The rollout engine serves the architecture, and the weights hold no NaN or inf (never publishable)."""
-    from workers.rollout.engine import make_forward
+    from workers.rollout.forward import make_forward
     from workers.weights import non_finite
 
     path = config.model.path

@@ -87,7 +87,7 @@ def summary(lengths: list[int]) -> dict[str, float]:
 
 def own_engine(model, **settings) -> Engine:
     """An engine over its own copy of `model`, as a rollout worker's: the engine lays the weights out its way
-    (workers.rollout.engine.fuse), which must not change the model that Hugging Face generate and the matmul
+    (workers.rollout.forward.fuse), which must not change the model that Hugging Face generate and the matmul
     ceiling run on."""
     return Engine(copy.deepcopy(model), **settings)
 

@@ -34,7 +34,7 @@ from schemas.messages import PromptGroup, Scored
 from workers import runtime
 from workers.models import encode_prompt
 from workers.prompt_source import INITIAL, Source
-from workers.rollout.engine import DirectForward, HFForward
+from workers.rollout.forward import DirectForward, HFForward
 from workers.rollout.protocol import SamplingParams, generate_all
 from workers.rollout.worker import make_engine
 from workers.rows import load_rows

@@ -22,7 +22,9 @@ from transformers import (
 )
 
 from workers.rollout import engine as engine_module
-from workers.rollout.engine import DirectForward, Engine, HFForward
+from workers.rollout import forward as forward_module
+from workers.rollout.engine import Engine
+from workers.rollout.forward import DirectForward, HFForward
 from workers.rollout.protocol import SamplingParams, generate_all
 from workers.weights import WeightsFile, write_version
 
@@ -358,7 +360,7 @@ def test_direct_forward_follows_weight_loads(model, tmp_path, load):
 
 def test_direct_forward_unfused_matches_hf_generate(model, monkeypatch):
     """A model over FUSE_BYTES runs the direct forward on its parameters as they are."""
-    monkeypatch.setattr(engine_module, "FUSE_BYTES", 0)
+    monkeypatch.setattr(forward_module, "FUSE_BYTES", 0)
     engine = Engine(model, forward="direct")
     assert not engine.forward.fused
     for prompt, seq in zip(PROMPTS, generate_all(engine, PROMPTS, GREEDY), strict=True):
