@@ -283,6 +283,20 @@ class Rollout:
                 done.append(self.groups.pop(flight.group.prompt_id))
         return done
 
+    def report(self, metrics: runtime.MetricsWriter) -> None:
+        """The worker's counts so far, one metrics line."""
+        metrics.write(
+            step=self.engine.version,
+            worker=self.ctx.id,
+            generated_tokens=self.generated_tokens,
+            interrupted_segments=self.interrupted,
+            weight_loads=self.loads,
+            weights_load_seconds=round(self.load_seconds, 4),
+            engine_steps=self.engine_steps,
+            engine_tokens=self.engine.stats().generated_tokens,
+            engine_seconds=round(self.engine_seconds, 4),
+        )
+
     def prefills_next(self) -> bool:
         """Whether the engine's next step prefills: sequences a weight load left to recompute, or waiting
         requests it has room to admit."""
@@ -308,7 +322,6 @@ class Rollout:
 async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | None = None) -> None:
     ctx = runtime.WorkerContext.start(config, "rollout", transport)
     torch.set_num_threads(config.rollout.threads)
-    interrupt, metrics = config.rollout.interrupt, ctx.metrics()
     building = asyncio.ensure_future(asyncio.to_thread(make_engine, config))  # meanwhile the group join waits
     async with (
         ctx.transport.outbox() as outbox,
@@ -324,41 +337,41 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
         ctx.transport.weights_follower(outbox, origin=ctx.id) as weights_inbox,
     ):
         check = AnnouncementCheck(load_key(ctx.run_dir), verify_file=False)  # `load` verifies the sha256
-        rollout, weights, waiting = Rollout(ctx, outbox, await building), WeightsFollower(weights_inbox, check), []
-        ctx.log.info("rollout started", max_batch=config.rollout.max_batch, interrupt=interrupt)
-        last_report, profiler = time.monotonic(), step_profiler(ctx)
-        while not stop.is_set():
-            latest = await weights.poll()
-            new_version = rollout.wants(latest)
-            loads = new_version and (interrupt or rollout.engine.idle())
-            if loads and await rollout.load(latest) and latest.final:
-                break
-            arrived = await prompts.poll(0 if waiting or not rollout.engine.idle() else 0.05)
-            waiting += await screen(prompts, arrived, rollout.engine.vocab)
-            await admit(rollout, prompts, waiting, holding=new_version and not interrupt)
-            await prompts.commit()
-            if rollout.engine.idle() and not rollout.answered:  # calls being answered come back meanwhile
-                await asyncio.sleep(0.005)
-                continue
-            for flight in await rollout.step():
-                prompts.done(flight.delivery)
-            profiler.step()
-            if time.monotonic() - last_report > METRICS_PERIOD_S:
-                metrics.write(
-                    step=rollout.engine.version,
-                    worker=ctx.id,
-                    generated_tokens=rollout.generated_tokens,
-                    interrupted_segments=rollout.interrupted,
-                    weight_loads=rollout.loads,
-                    weights_load_seconds=round(rollout.load_seconds, 4),
-                    engine_steps=rollout.engine_steps,
-                    engine_tokens=rollout.engine.stats().generated_tokens,
-                    engine_seconds=round(rollout.engine_seconds, 4),
-                )
-                last_report = time.monotonic()
-        profiler.close()
+        rollout, weights = Rollout(ctx, outbox, await building), WeightsFollower(weights_inbox, check)
+        ctx.log.info("rollout started", max_batch=config.rollout.max_batch, interrupt=config.rollout.interrupt)
+        await generate(rollout, prompts, weights, stop)
         await prompts.commit(now=True)
         ctx.log.info("rollout finished", version=rollout.engine.version, interrupted_segments=rollout.interrupted)
+
+
+async def generate(
+    rollout: Rollout, prompts: Inbox[PromptGroup], weights: WeightsFollower, stop: asyncio.Event
+) -> None:
+    """The loop, between two decode steps: load a newer version (at once, or once the engine has drained
+    without `rollout.interrupt`), take in and admit the groups that arrived, then one engine step."""
+    interrupt, metrics = rollout.ctx.config.rollout.interrupt, rollout.ctx.metrics()
+    waiting: list[InFlight] = []
+    last_report, profiler = time.monotonic(), step_profiler(rollout.ctx)
+    while not stop.is_set():
+        latest = await weights.poll()
+        new_version = rollout.wants(latest)
+        loads = new_version and (interrupt or rollout.engine.idle())
+        if loads and await rollout.load(latest) and latest.final:
+            break
+        arrived = await prompts.poll(0 if waiting or not rollout.engine.idle() else 0.05)
+        waiting += await screen(prompts, arrived, rollout.engine.vocab)
+        await admit(rollout, prompts, waiting, holding=new_version and not interrupt)
+        await prompts.commit()
+        if rollout.engine.idle() and not rollout.answered:  # calls being answered come back meanwhile
+            await asyncio.sleep(0.005)
+            continue
+        for flight in await rollout.step():
+            prompts.done(flight.delivery)
+        profiler.step()
+        if time.monotonic() - last_report > METRICS_PERIOD_S:
+            rollout.report(metrics)
+            last_report = time.monotonic()
+    profiler.close()
 
 
 async def screen(prompts: Inbox[PromptGroup], arrived: list[Delivery[PromptGroup]], vocab: int) -> list[InFlight]:

@@ -318,9 +318,12 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
         trainer.close()
 
 
-async def lead(ctx: runtime.WorkerContext, trainer: Trainer, stop: asyncio.Event) -> None:
-    """Rank 0's loop: read, take a batch (or redo a recorded one), write its manifest, train, publish."""
-    st, cfg = trainer.state, ctx.config.trainer
+async def resume(
+    ctx: runtime.WorkerContext, trainer: Trainer
+) -> tuple[list[BatchManifest], GroupBuffer, list[DroppedGroup]]:
+    """Where the trainer's checkpoint and `batches` leave it (`restore`), the weights files of versions past
+    them deleted."""
+    st = trainer.state
     manifests = [
         r.message
         for r in await ctx.transport.read_all("batches", BatchManifest)
@@ -340,6 +343,13 @@ async def lead(ctx: runtime.WorkerContext, trainer: Trainer, stop: asyncio.Event
         resume_offsets=st.resume_offsets,
         abandoned_versions_deleted=abandoned,
     )
+    return redo, buffer, pending_drops
+
+
+async def lead(ctx: runtime.WorkerContext, trainer: Trainer, stop: asyncio.Event) -> None:
+    """Rank 0's loop: read, take a batch (or redo a recorded one), write its manifest, train, publish."""
+    st, cfg = trainer.state, ctx.config.trainer
+    redo, buffer, pending_drops = await resume(ctx, trainer)
     async with (
         ctx.transport.outbox() as outbox,
         ctx.transport.inbox("scored", Scored, outbox, origin=ctx.id, start_offsets=st.resume_offsets) as scored,
