@@ -132,10 +132,16 @@ def command_section(path: list[str], parser: argparse.ArgumentParser, summary: s
         if not isinstance(action, argparse._HelpAction | argparse._SubParsersAction)
         and action.help != argparse.SUPPRESS
     ]
+    either = {  # an argument of a required mutually exclusive group: one of them must be given
+        action: "one of " + ", ".join(other.option_strings[0] for other in group._group_actions)
+        for group in parser._mutually_exclusive_groups
+        if group.required
+        for action in group._group_actions
+    }
     if arguments:
         lines += ["| argument | required | description |", "| --- | --- | --- |"]
         for action in arguments:
-            required = "yes" if action.required and action.nargs not in ("?", "*") else ""
+            required = "yes" if action.required and action.nargs not in ("?", "*") else either.get(action, "")
             lines.append(f"| {code_cell(spelling(action))} | {required} | {cell(help_text(action, parser.prog))} |")
     for name, sub, help_line in subparsers(parser):
         lines += command_section([*path, name], sub, help_line)
