@@ -1,5 +1,5 @@
 # The two commands: `make demo` and `make test`. Both create .venv when needed.
-# Also: `make test-unit` (fast: no e2e, no slow tests), `make lint` (ruff, as CI runs it), `make format`,
+# Also: `make test-unit` (fast: no e2e, no slow tests), `make lint` (ruff, as CI runs it), `make format`, `make docs`,
 # `make compose-test` (docker compose for real, root; `make test` leaves it out).
 PYTHON ?= python3
 VENV   := .venv
@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 # torch first and pinned: this pin is a local CPU wheel here; an unpinned torch pulls CUDA builds.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test test-unit compose-test chaos lint format install install-test clean gpu-check gpu-rehearsal gpu-wheels
+.PHONY: demo test test-unit compose-test chaos lint docs format install install-test clean gpu-check gpu-rehearsal gpu-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,12 @@ lint: install-test
 	$(BIN)/ruff check . || status=1; \
 	$(BIN)/ruff format --check . || status=1; \
 	exit $$status
+
+# the docs site (docs/mkdocs.yml) into build/site; --strict fails on a broken link or anchor, and the generated
+# reference pages must match the code (`python -m pipeline.reference` rewrites them)
+docs: install-test
+	$(BIN)/python -m pipeline.reference --check
+	$(BIN)/mkdocs build --strict --quiet -f docs/mkdocs.yml -d $(CURDIR)/build/site
 
 format: install-test
 	$(BIN)/ruff format .

@@ -243,20 +243,29 @@ def save_config(config: RunConfig, path: Path) -> None:
 RUN_DIR_NOTE = "# asyncrl run names the run directory <name>-<time>: paths below under <name> get that name\n"
 
 
+class FieldDoc(typing.NamedTuple):
+    """One leaf field of a config: its dotted name, value, type (constraints stripped) and description."""
+
+    name: str
+    value: Any
+    type: Any
+    description: str
+
+
+def config_fields(config: msgspec.Struct, prefix: str = "") -> typing.Iterator[FieldDoc]:
+    """Every leaf field of `config`, sections walked in declaration order (`--explain`, the docs' reference)."""
+    hints = typing.get_type_hints(type(config), include_extras=True)
+    for field in msgspec.structs.fields(config):
+        name, value = f"{prefix}{field.name}", getattr(config, field.name)
+        if isinstance(value, msgspec.Struct):
+            yield from config_fields(value, f"{name}.")
+            continue
+        hint = hints[field.name]
+        metas = getattr(hint, "__metadata__", ())
+        description = next((m.description for m in metas if isinstance(m, msgspec.Meta)), "")
+        yield FieldDoc(name, value, getattr(hint, "__origin__", hint) if metas else hint, description)
+
+
 def explain(config: RunConfig) -> str:
     """Every field of `config` with its value and description, one per line."""
-    lines: list[str] = []
-
-    def walk(section: msgspec.Struct, prefix: str) -> None:
-        hints = typing.get_type_hints(type(section), include_extras=True)
-        for field in msgspec.structs.fields(section):
-            name, value = f"{prefix}{field.name}", getattr(section, field.name)
-            if isinstance(value, msgspec.Struct):
-                walk(value, f"{name}.")
-                continue
-            metas = getattr(hints[field.name], "__metadata__", ())
-            description = next((m.description for m in metas if isinstance(m, msgspec.Meta)), "")
-            lines.append(f"{name} = {value!r}  # {description}")
-
-    walk(config, "")
-    return "\n".join(lines) + "\n"
+    return "".join(f"{f.name} = {f.value!r}  # {f.description}\n" for f in config_fields(config))

@@ -1,6 +1,6 @@
 """What every workflow promises (`workers/rollout/workflow.py`): a one-character `call_end`, a reply as text for a
-transcript ending with it, and worked solutions still worked solutions; the README's one-file example loads and
-answers as it says."""
+transcript ending with it, and worked solutions still worked solutions; the docs' one-file example
+(docs/pages/guides/multi-turn-tools.md) loads and answers as it says."""
 
 from __future__ import annotations
 
@@ -11,20 +11,20 @@ import pytest
 
 from workers.rollout.workflow import BUILTIN, Workflow, load_workflow
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "pages" / "guides" / "multi-turn-tools.md"
 
 
-def readme_example(tmp_path: Path) -> str:
-    """The README's example workflow, written to its own file; its `rollout.workflow` spec."""
-    [code] = re.findall(r"```python\n(# my_workflow\.py.*?)```", README.read_text(), flags=re.S)
+def guide_example(tmp_path: Path) -> str:
+    """The guide's example workflow, written to its own file; its `rollout.workflow` spec."""
+    [code] = re.findall(r"```python\n(# my_workflow\.py.*?)```", GUIDE.read_text(), flags=re.S)
     path = tmp_path / "my_workflow.py"
     path.write_text(code)
     return f"{path}:Lookup"
 
 
-@pytest.fixture(params=[*BUILTIN, "readme"])
+@pytest.fixture(params=[*BUILTIN, "guide"])
 def workflow(request, tmp_path, bubblewrap) -> Workflow:
-    return load_workflow(readme_example(tmp_path) if request.param == "readme" else request.param)
+    return load_workflow(guide_example(tmp_path) if request.param == "guide" else request.param)
 
 
 def test_a_workflow_replies_with_text_to_a_transcript_ending_with_its_call(workflow: Workflow):
@@ -36,6 +36,6 @@ def test_a_workflow_replies_with_text_to_a_transcript_ending_with_its_call(workf
     assert "\\boxed{23}" in workflow.demonstrate(solution)
 
 
-def test_the_readme_example_answers_as_it_says(tmp_path: Path):
-    lookup = load_workflow(readme_example(tmp_path))
+def test_the_guide_example_answers_as_it_says(tmp_path: Path):
+    lookup = load_workflow(guide_example(tmp_path))
     assert lookup.respond("The capital Rome?") == " italy." and lookup.respond("Atlantis?") == " unknown."
