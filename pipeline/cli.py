@@ -7,10 +7,11 @@ import gc
 import sys
 from typing import TYPE_CHECKING
 
+from pipeline.roles import WORKER_MODULES
+from pipeline.shipped_configs import config_file
+
 if TYPE_CHECKING:
     from schemas.config import RunConfig
-
-ROLES = ("prompts", "rollout", "reward", "trainer", "eval")  # eval: the launcher starts it beside the others
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("overrides", nargs="*", help="dotted overrides; broker.bootstrap is required")
 
     worker = commands.add_parser("worker", help="run one worker process (what compose and Slurm start)")
-    worker.add_argument("role", choices=ROLES)
+    worker.add_argument("role", choices=tuple(WORKER_MODULES))
     worker.add_argument("--config", required=True, help="the resolved run config (runs/<name>/config.yaml)")
     worker.add_argument("overrides", nargs="*", help="dotted overrides")
 
@@ -493,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
             serve_forever(args.port, args.log)
             return 0
         if args.command == "worker":
-            from pipeline.launch import run_worker
+            from pipeline.roles import run_worker
 
             run_worker(args.role, args.config, args.overrides)
             return 0
@@ -575,26 +576,6 @@ def inspect_run(args: argparse.Namespace) -> int:
     except (LookupError, ExportError, TimeoutError, OSError) as exc:
         print(f"asyncrl: {exc}", file=sys.stderr)
     return 1
-
-
-SHIPPED_CONFIGS = "configs"  # pipeline/configs/<name>.yaml: `asyncrl run <name>`
-
-
-def config_file(given: str | None) -> str:
-    """A YAML path, or the name of a shipped config (`arith`, `chain`); none given = `arith`, the demo."""
-    from pathlib import Path
-
-    from pipeline.config import ConfigError
-
-    shipped = Path(__file__).parent / SHIPPED_CONFIGS
-    if given is None:
-        return str(shipped / "arith.yaml")
-    if Path(given).is_file() or given.endswith((".yaml", ".yml")):
-        return given
-    if (shipped / f"{given}.yaml").is_file():
-        return str(shipped / f"{given}.yaml")
-    names = ", ".join(sorted(p.stem for p in shipped.glob("*.yaml")))
-    raise ConfigError(f"{given!r} is neither a config file nor a shipped config ({names})")
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import importlib
 import importlib.util
 import json
 import os
@@ -34,7 +33,8 @@ from typing import TYPE_CHECKING, ClassVar
 import msgspec
 
 from pipeline.config import ConfigError, derived_weights_dir, load_config, on_one_machine, resolve, save_config
-from pipeline.forkserver import ForkedProcess, ForkServer, reap_strays, worker_argv
+from pipeline.forkserver import ForkedProcess, ForkServer, reap_strays
+from pipeline.roles import worker_argv
 from schemas.config import RunConfig
 from topics.broker import die_with_parent
 from workers import runtime
@@ -46,13 +46,6 @@ if TYPE_CHECKING:
     from pipeline.eval_worker import EvalRequests
     from topics.broker import EmbeddedBroker
 
-WORKER_MODULES = {
-    "prompts": "workers.prompt_source",
-    "rollout": "workers.rollout.worker",
-    "reward": "workers.reward.worker",
-    "trainer": "workers.trainer.worker",
-    "eval": "pipeline.eval_worker",  # the launcher's own: the run's held-out evaluation
-}
 LOCK_FILE = "launcher.lock"  # in the run directory: held by the launcher running it (`run_dir_lock`)
 EARLIER_LAUNCH_WAIT_S = 60.0  # for the workers of a killed launcher of the run to end (`wait_for_earlier_launch`)
 STOP_ORDER = ("prompts", "rollout", "reward", "trainer")  # the trainer last: it checkpoints on stop; then the
@@ -60,14 +53,6 @@ STOP_ORDER = ("prompts", "rollout", "reward", "trainer")  # the trainer last: it
 BROKER_GONE_STOP_S = 5.0  # all workers at once: without a broker nothing flows, a delivery would wait 40 s
 EVAL_STALL_S = 600.0  # an evaluator that scores no queued version for this long once the workers stopped is stopped
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are processes already
-
-
-def run_worker(role: str, config_path: str, overrides: list[str]) -> None:
-    """The body of `asyncrl worker <role>`: run until done or SIGTERM. A bad config fails before the role's imports
-    (torch and transformers: 2.5-4 CPU-seconds; a forked worker has them already)."""
-    config = load_config(config_path, overrides)
-    module = importlib.import_module(WORKER_MODULES[role])
-    runtime.run_until_stopped(lambda stop: module.main(resolve(config), stop))
 
 
 @dataclass

@@ -44,8 +44,8 @@ def run_to_end(config: RunConfig, progress: bool) -> Path | None:
 
 def task_config(task: str, overrides: list[str]) -> RunConfig:
     """`task`'s shipped config (pipeline/configs/<task>.yaml, or a YAML file given by path), then `overrides`."""
-    from pipeline.cli import config_file
     from pipeline.config import load_config
+    from pipeline.shipped_configs import config_file
 
     return load_config(config_file(task), overrides)
 
