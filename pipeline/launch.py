@@ -34,6 +34,7 @@ import msgspec
 
 from pipeline.config import ConfigError, derived_weights_dir, load_config, on_one_machine, resolve, save_config
 from pipeline.forkserver import ForkedProcess, ForkServer, reap_strays
+from pipeline.procfs import processes
 from pipeline.roles import worker_argv
 from schemas.config import RunConfig
 from topics.broker import die_with_parent
@@ -571,8 +572,6 @@ def wait_for_earlier_launch(run_dir: Path, timeout_s: float = EARLIER_LAUNCH_WAI
 
 def workers_of(run_dir: Path) -> list[int]:
     """Live processes that run with `run_dir`'s config.yaml (every worker names it on its command line)."""
-    from pipeline.chaos.procs import processes
-
     config = f" {run_dir / 'config.yaml'} "  # a whole argument: not another file beside it
     return [proc.pid for proc in processes().values() if config in f" {proc.cmdline} "]
 
