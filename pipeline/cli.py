@@ -560,14 +560,13 @@ def eval_command(args: argparse.Namespace) -> int:
 
 def inspect_run(args: argparse.Namespace) -> int:
     """`asyncrl topics` and `asyncrl replay`: a missing topic or broker is a message, not a traceback."""
-    from aiokafka.errors import KafkaError
-
     from pipeline.replay import replay_command, topics_command
     from topics.export import ExportError
+    from topics.inspect import BrokerError
 
     try:
         return topics_command(args) if args.command == "topics" else replay_command(args)
-    except KafkaError as exc:
+    except BrokerError as exc:
         print(
             f"asyncrl: broker error: {exc} (a finished run's embedded broker is gone; "
             "`asyncrl replay ... --export FILE` reads its export)",
