@@ -4,7 +4,7 @@ The launcher starts a fork server that imports the workers' code meanwhile, star
 embedded broker unless a bootstrap is configured, prepares the model (the demo builds and
 warms up its own) and config.yaml, then forks the workers from that server, each a
 process as if started as `asyncrl worker <role>` (`pipeline.forkserver`); from the
-trainer's first step it starts the held-out evaluator (`pipeline.eval_worker`, on idle
+trainer's first step it starts the held-out evaluator (`workers.evaluator.worker`, on idle
 cores only), follows `metrics.jsonl` for the
 progress bar and asks for evaluations, and stops everything when the trainer has made its
 last step, on Ctrl-C or SIGTERM, when the embedded broker dies, or after `max_wall_s`.
@@ -44,8 +44,8 @@ from workers.cores import lower_priority
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from pipeline.eval_worker import EvalRequests
     from topics.broker import EmbeddedBroker
+    from workers.evaluator.worker import EvalRequests
 
 LOCK_FILE = "launcher.lock"  # in the run directory: held by the launcher running it (`run_dir_lock`)
 EARLIER_LAUNCH_WAIT_S = 60.0  # for the workers of a killed launcher of the run to end (`wait_for_earlier_launch`)
@@ -367,8 +367,8 @@ class LocalRun:
         then `latest`), the evaluator's queue, asked first for the base model (a resumed run has it in
         metrics.jsonl), then the workers (the evaluator: `start_evaluator`)."""
         from pipeline import monitor
-        from pipeline.eval_set import NO_EVAL_SET
-        from pipeline.eval_worker import EvalRequests
+        from workers.evaluator.rows import NO_EVAL_SET
+        from workers.evaluator.worker import EvalRequests
 
         if self.config.model.device == "cpu":  # a CUDA driver touched before a fork is unusable in the child
             self.start_fork_server(evaluates=eval_rows is not None)
@@ -580,7 +580,7 @@ def run_locally(config: RunConfig, progress: bool, stops: StopSignals, resumed_f
     """Checks, a run directory (a resumed run keeps its own), the run started and followed, then always
     stopped in order and reported."""
     from pipeline import monitor
-    from pipeline.eval_set import rows_for_config
+    from workers.evaluator.rows import rows_for_config
 
     started = time.time()
     check_dataset(config)

@@ -2,7 +2,7 @@
 
 The trainer's lines in `metrics.jsonl` drive everything: the bar shows them, every
 `eval.every` steps that weight version is queued for the run's evaluator process
-(`pipeline.eval_worker`, which scores it on otherwise idle cores and appends an `eval` line
+(`workers.evaluator.worker`, which scores it on otherwise idle cores and appends an `eval` line
 tagged with the version: greedy accuracy as `heldout_accuracy`, pass@1/pass@k/maj@k when
 eval.k > 0; the rows under `eval/v<version>.jsonl`), and the report (summary.json,
 curves.png, TensorBoard) is built from the file alone, so it can be rebuilt for any run
@@ -23,11 +23,11 @@ import msgspec
 from tqdm import tqdm
 
 from pipeline.config import ConfigError
-from pipeline.eval_worker import EvalRequests
-from pipeline.stats import percentile
 from schemas.config import RunConfig
 from workers import runtime
+from workers.evaluator.worker import EvalRequests
 from workers.reward.budget import EXIT_CODE as REWARD_BUDGET_EXIT
+from workers.stats import percentile
 
 MAX_RESTARTS = 3  # per worker; a worker that keeps failing ends the run as "failed"
 ERROR_TAIL_LINES = 8  # of a failed worker's log, on the console

@@ -14,9 +14,9 @@ WORKER_MODULES = {
     "rollout": "workers.rollout.worker",
     "reward": "workers.reward.worker",
     "trainer": "workers.trainer.worker",
-    "eval": "pipeline.eval_worker",  # the launcher's own: the run's held-out evaluation
+    "eval": "workers.evaluator.worker",  # the launcher's own: the run's held-out evaluation
 }
-LAZY_IMPORTS = {"eval": ("pipeline.evaluate",)}  # what a role's module imports only in its main
+LAZY_IMPORTS = {"eval": ("workers.evaluator.scoring",)}  # what a role's module imports only in its main
 
 
 def worker_argv(role: str, config_path: Path) -> list[str]:

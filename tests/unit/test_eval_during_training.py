@@ -14,11 +14,11 @@ import pytest
 
 from pipeline import monitor
 from pipeline.config import load_config, resolve, save_config
-from pipeline.eval_set import NO_EVAL_SET, rows_for_config
-from pipeline.eval_worker import EvalRequests, link, queue_dir, queued, score_version
-from pipeline.evaluate import Evaluator
 from pipeline.launch import WorkerProcess
 from workers import runtime
+from workers.evaluator.rows import NO_EVAL_SET, rows_for_config
+from workers.evaluator.scoring import Evaluator
+from workers.evaluator.worker import EvalRequests, link, queue_dir, queued, score_version
 from workers.runtime import version_path
 from workers.weights import unique_state_dict, write_version
 

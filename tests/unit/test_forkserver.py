@@ -137,7 +137,13 @@ print(len(run.workers), run.forks.process.returncode)
 def test_the_launcher_reaches_its_fork_server_without_torch() -> None:
     """What `run_locally` imports before the fork server starts (a raw template: a chat template's check loads the
     tokenizer): with torch among them, the launcher's imports would come before the workers'."""
-    modules = ("pipeline.launch", "pipeline.monitor", "pipeline.eval_set", "pipeline.eval_worker", "workers.rows")
+    modules = (
+        "pipeline.launch",
+        "pipeline.monitor",
+        "workers.evaluator.rows",
+        "workers.evaluator.worker",
+        "workers.rows",
+    )
     code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint(sorted({{'torch', 'transformers'}} & set(sys.modules)))"
     imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert imported.strip() == "[]"
