@@ -543,7 +543,7 @@ def pipeline_check(scale: Scale, where: Path) -> Outcome:
 
     # the workers' modules, and what they import only when they get there: chain's verifier, the end-of-run report
     require_modules(
-        "pipeline.launch",
+        "pipeline.launch.local_run",
         "topics.broker",
         "workers.reward.worker",
         "math_verify",

@@ -14,7 +14,7 @@ import pytest
 
 from pipeline import monitor
 from pipeline.config import load_config, resolve, save_config
-from pipeline.launch import WorkerProcess
+from pipeline.launch.worker_processes import WorkerProcess
 from workers import runtime
 from workers.evaluator.rows import NO_EVAL_SET, rows_for_config
 from workers.evaluator.scoring import Evaluator

@@ -112,18 +112,18 @@ def test_a_failed_preparation_stops_the_fork_server_and_starts_no_worker(tmp_pat
     script = f"""
 import msgspec
 from pathlib import Path
-from pipeline import launch
+from pipeline.launch import local_run
 from pipeline.config import ConfigError, resolve
 from schemas.config import RunConfig
 
 def failing_prepare(config, progress):
     raise ConfigError("data.reward: no such function")
 
-launch.prepare = failing_prepare
+local_run.prepare = failing_prepare
 tmp = Path({str(tmp_path)!r})
 config = resolve(msgspec.convert({{"runs_dir": str(tmp), "broker": {{"bootstrap": "127.0.0.1:9"}}}}, RunConfig))
-run = launch.LocalRun(msgspec.structs.replace(config, name="run"), tmp / "run")
-with launch.StopSignals() as stops:
+run = local_run.LocalRun(msgspec.structs.replace(config, name="run"), tmp / "run")
+with local_run.StopSignals() as stops:
     try:
         run.start(stops, eval_rows=None, progress=False)
     except ConfigError:
@@ -138,7 +138,7 @@ def test_the_launcher_reaches_its_fork_server_without_torch() -> None:
     """What `run_locally` imports before the fork server starts (a raw template: a chat template's check loads the
     tokenizer): with torch among them, the launcher's imports would come before the workers'."""
     modules = (
-        "pipeline.launch",
+        "pipeline.launch.local_run",
         "pipeline.monitor",
         "workers.evaluator.rows",
         "workers.evaluator.worker",
