@@ -70,7 +70,7 @@ gpu-rehearsal: install
 
 # cp312 manylinux wheels of the pipeline's dependencies a GPU machine lacks, into infra/gpu-wheels (carry it along)
 gpu-wheels: install
-	$(BIN)/python -m pipeline.bench.gpu wheels
+	$(BIN)/python infra/gpu_wheels.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
