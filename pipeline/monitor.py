@@ -148,6 +148,26 @@ def restart_exited(workers: list, codes: list[int | None], bar: tqdm) -> bool:
     return True
 
 
+def run_outcome(
+    config: RunConfig, run_dir: Path, workers: list, codes: list[int | None], step: int, started: float, bar: tqdm
+) -> str | None:
+    """'finished', 'failed' or 'timeout' once the run is over, None while it goes on (workers that ended before
+    their time restarted)."""
+    if step >= config.trainer.steps and all(
+        code == 0 for w, code in zip(workers, codes, strict=True) if w.role == "trainer"
+    ):
+        return "finished"
+    if verdict := budget_spent(run_dir, workers, codes):
+        bar.write(verdict)
+        return "failed"
+    if not restart_exited(workers, codes, bar):
+        return "failed"
+    if config.max_wall_s and time.time() - started > config.max_wall_s:
+        bar.write(f"asyncrl: max_wall_s={config.max_wall_s} reached, stopping")
+        return "timeout"
+    return None
+
+
 def follow(
     config: RunConfig,
     run_dir: Path,
@@ -192,18 +212,8 @@ def follow(
                     tok_s=f"{line['tokens_per_s']:.0f}",
                     refresh=False,
                 )
-            if step >= config.trainer.steps and all(
-                code == 0 for w, code in zip(workers, codes, strict=True) if w.role == "trainer"
-            ):
-                return "finished"
-            if verdict := budget_spent(run_dir, workers, codes):
-                bar.write(verdict)
-                return "failed"
-            if not restart_exited(workers, codes, bar):
-                return "failed"
-            if config.max_wall_s and time.time() - started > config.max_wall_s:
-                bar.write(f"asyncrl: max_wall_s={config.max_wall_s} reached, stopping")
-                return "timeout"
+            if outcome := run_outcome(config, run_dir, workers, codes, step, started, bar):
+                return outcome
             if on_first_step and step:  # after the workers were polled: it may add one
                 on_first_step()
                 on_first_step = None
