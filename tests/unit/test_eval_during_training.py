@@ -191,7 +191,7 @@ def test_a_version_that_cannot_be_scored_is_dropped_with_its_reason_and_the_next
     """The evaluator's loop in this process (this test's threads keep their priority)."""
     import asyncio
 
-    from pipeline import eval_worker
+    from workers.evaluator import worker as eval_worker
 
     monkeypatch.setattr(eval_worker, "lower_priority", lambda: None)
     config = own_jsonl_config(demo_model_dir, tmp_path)
