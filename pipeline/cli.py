@@ -41,8 +41,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """The command's exit code; an unusable config or input is one line on stderr and exit code 2."""
     args = parse(argv)
+    handle = vars(args).pop("handle")  # the arguments alone go on: benchmarks and chaos write them to their reports
     try:
-        return args.handle(args)
+        return handle(args)
     except ConfigError as exc:
         print(f"asyncrl: {exc}", file=sys.stderr)
         return 2

@@ -8,16 +8,12 @@ import importlib.util
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import msgspec
 
 from pipeline.config import ConfigError, derived_weights_dir, load_config, resolve, save_config
 from schemas.config import RunConfig
 from workers import runtime
-
-if TYPE_CHECKING:
-    pass
 
 
 def new_run_dir(config: RunConfig) -> RunConfig:

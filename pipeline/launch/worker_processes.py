@@ -8,16 +8,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pipeline.forkserver import ForkedProcess, ForkServer
 from pipeline.launch.stop_signals import StopSignals
 from pipeline.roles import worker_argv
 from topics.broker import die_with_parent
 from workers.cores import lower_priority
-
-if TYPE_CHECKING:
-    pass
 
 
 @dataclass

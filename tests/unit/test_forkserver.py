@@ -160,8 +160,9 @@ def test_a_fork_given_up_stops_the_server_so_that_it_forks_nothing_unrecorded(tm
 
 
 def test_a_process_s_entry_leaves_what_it_holds_out_of_the_exit_s_collections() -> None:
-    """`asyncrl`, `python -m pipeline.cli` and a forked worker end through `cli.run`, which freezes the objects
-    left (the interpreter's last collections would walk torch's and transformers' code: ~1 s per process)."""
+    """`asyncrl` and `python -m pipeline.cli` end through `cli.run` (a forked worker through
+    `forkserver.run_as_worker`), which freezes the objects left (the interpreter's last collections would walk
+    torch's and transformers' code: ~1 s per process)."""
     probe = (
         "import atexit, gc\n"
         "atexit.register(lambda: print('frozen', gc.get_freeze_count() > 0))\n"
