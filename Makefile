@@ -1,5 +1,6 @@
 # The two commands: `make demo` and `make test`. Both create .venv when needed.
-# Also: `make test-unit` (fast: no e2e, no slow tests), `make lint` (ruff, as CI runs it), `make format`, `make docs`,
+# Also: `make test-unit` (fast: no e2e, no slow tests), `make lint` (ruff and the import rules, as CI runs them),
+# `make format`, `make docs`,
 # `make compose-test` (docker compose for real, root; `make test` leaves it out).
 PYTHON ?= python3
 VENV   := .venv
@@ -48,11 +49,13 @@ chaos: install-test
 	$(BIN)/python -m pytest -q -m chaos || status=1; \
 	exit $$status
 
-# ruff is pinned in the test extra; both checks run even when the first fails, and either fails the target
+# ruff and import-linter are pinned in the test extra; every check runs even when one fails, and any fails the target.
+# lint-imports: the import rules of pyproject.toml's [tool.importlinter] (layers, Kafka only in topics/, no circles)
 lint: install-test
 	@status=0; \
 	$(BIN)/ruff check . || status=1; \
 	$(BIN)/ruff format --check . || status=1; \
+	$(BIN)/lint-imports --no-cache || status=1; \
 	exit $$status
 
 # the docs site (docs/mkdocs.yml) into build/site; --strict fails on a broken link or anchor, and the generated
@@ -76,7 +79,7 @@ gpu-rehearsal: install
 
 # cp312 manylinux wheels of the pipeline's dependencies a GPU machine lacks, into infra/gpu-wheels (carry it along)
 gpu-wheels: install
-	$(BIN)/python -m pipeline.bench.gpu wheels
+	$(BIN)/python infra/gpu_wheels.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -14,11 +14,8 @@ import yaml
 from msgspec.structs import replace
 
 from schemas.config import RunConfig
+from schemas.errors import ConfigError
 from workers.cores import cores_here, split_cores
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot be used; the message says where and why."""
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

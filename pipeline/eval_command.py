@@ -1,4 +1,4 @@
-"""`asyncrl eval`: the evaluator (`pipeline.evaluate`) on a model directory or on a run's weight version.
+"""`asyncrl eval`: the evaluator (`workers.evaluator.scoring`) on a model directory or on a run's weight version.
 
 What is unknown from the flags comes from the run (`--run DIR`: its config.yaml): data, reward,
 template, lengths, device. A run's version is refused unless it is whole: its sha256 must match
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import ConfigError, load_config
-from pipeline.eval_set import file_rows, task_rows
-from pipeline.evaluate import EvalSettings, Evaluator, make_scorer, write_rows
 from schemas.config import DataConfig, RunConfig
+from workers.evaluator.rows import file_rows, task_rows
+from workers.evaluator.scoring import EvalSettings, Evaluator, make_scorer, write_rows
 from workers.rows import Row
 from workers.weights import WeightsError
 

@@ -17,7 +17,8 @@ A forked worker is what `asyncrl worker ROLE --config PATH` would be, to the lau
 - its command line (/proc/PID/cmdline: ps, the chaos harness and the CPU accounting read it) is the one it
   would have had, written into the server's own argument area, which the launcher makes long enough (the
   rest of that area reads as NUL bytes after it);
-- it runs `asyncrl worker` itself (`pipeline.cli.run`), and exits through the interpreter's normal exit.
+- it runs what `asyncrl worker` runs (`pipeline.roles.run_worker`, a config error one line and exit code 2, the
+  objects left frozen as `pipeline.cli.run` leaves them), and exits through the interpreter's normal exit.
 
 The server runs nothing but imports before it forks, and its children start with one thread (the one thread
 torch's import starts, OpenBLAS's, is stopped by OpenBLAS itself at a fork). It keeps ~350 MB resident for the
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import importlib
 import json
 import os
@@ -39,16 +41,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-LAZY_IMPORTS = {"eval": ("pipeline.evaluate",)}  # what a role's module (launch.WORKER_MODULES) imports only in main
+from pipeline.roles import LAZY_IMPORTS, WORKER_MODULES, run_worker, worker_argv
+
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 ADOPTION_WAIT_S = 10.0  # a forked worker whose parent has not exited by then (it exits at once) gives up
 REPLY_WAIT_S = 300.0  # the server answers once its imports are done: far longer means it is stuck
 TITLE_ROOM = 96  # bytes of the server's argument area beyond its longest worker's command line
-
-
-def worker_argv(role: str, config_path: Path) -> list[str]:
-    """The command line of `asyncrl worker ROLE`, as the launcher would start it."""
-    return [sys.executable, "-m", "pipeline.cli", "worker", role, "--config", str(config_path)]
 
 
 def prctl(option: int, value: int) -> None:
@@ -165,8 +163,6 @@ def reap_strays() -> None:
 def serve(roles: list[str]) -> dict | None:
     """The server's loop: the roles' code imported, then a worker forked per request line. Returns in a forked
     worker only, with its request; in the server, None at the end of its stdin (the launcher is done)."""
-    from pipeline.launch import WORKER_MODULES  # here, not at the top: the launcher imports this module
-
     for role in roles:
         for module in (WORKER_MODULES[role], *LAZY_IMPORTS.get(role, ())):
             importlib.import_module(module)
@@ -198,7 +194,6 @@ def serve(roles: list[str]) -> dict | None:
 def become_worker(request: dict) -> int:
     """In the forked worker: adopted by the launcher, dying with it, logging to its file, named as it would
     be; then `asyncrl worker ROLE --config PATH`, its exit code returned."""
-    from pipeline import cli  # imported by the server already
     from workers.cores import lower_priority
 
     deadline = time.monotonic() + ADOPTION_WAIT_S
@@ -217,11 +212,26 @@ def become_worker(request: dict) -> int:
     os.close(log)
     argv = worker_argv(request["role"], Path(request["config"]))
     set_command_line(argv)
-    sys.argv = [cli.__file__, *argv[3:]]  # as `python -m pipeline.cli` sets it
+    sys.argv = [str(Path(__file__).with_name("cli.py")), *argv[3:]]  # as `python -m pipeline.cli` sets it
     fresh_random_state()
     if request["idle"]:
         lower_priority()
-    return cli.run(argv[3:])
+    return run_as_worker(request["role"], request["config"])
+
+
+def run_as_worker(role: str, config_path: str) -> int:
+    """`asyncrl worker ROLE --config PATH` as `pipeline.cli.run` runs it: a config error is one line and exit code
+    2; what the process holds is frozen out of the exit's garbage collections (~1 s of torch's objects)."""
+    from pipeline.config import ConfigError
+
+    try:
+        run_worker(role, config_path, [])
+    except ConfigError as exc:
+        print(f"asyncrl: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        gc.freeze()
+    return 0
 
 
 def fresh_random_state() -> None:

@@ -2,7 +2,7 @@
 
 The trainer's lines in `metrics.jsonl` drive everything: the bar shows them, every
 `eval.every` steps that weight version is queued for the run's evaluator process
-(`pipeline.eval_worker`, which scores it on otherwise idle cores and appends an `eval` line
+(`workers.evaluator.worker`, which scores it on otherwise idle cores and appends an `eval` line
 tagged with the version: greedy accuracy as `heldout_accuracy`, pass@1/pass@k/maj@k when
 eval.k > 0; the rows under `eval/v<version>.jsonl`), and the report (summary.json,
 curves.png, TensorBoard) is built from the file alone, so it can be rebuilt for any run
@@ -23,11 +23,11 @@ import msgspec
 from tqdm import tqdm
 
 from pipeline.config import ConfigError
-from pipeline.eval_worker import EvalRequests
-from pipeline.stats import percentile
 from schemas.config import RunConfig
 from workers import runtime
+from workers.evaluator.worker import EvalRequests
 from workers.reward.budget import EXIT_CODE as REWARD_BUDGET_EXIT
+from workers.stats import percentile
 
 MAX_RESTARTS = 3  # per worker; a worker that keeps failing ends the run as "failed"
 ERROR_TAIL_LINES = 8  # of a failed worker's log, on the console
@@ -148,6 +148,26 @@ def restart_exited(workers: list, codes: list[int | None], bar: tqdm) -> bool:
     return True
 
 
+def run_outcome(
+    config: RunConfig, run_dir: Path, workers: list, codes: list[int | None], step: int, started: float, bar: tqdm
+) -> str | None:
+    """'finished', 'failed' or 'timeout' once the run is over, None while it goes on (workers that ended before
+    their time restarted)."""
+    if step >= config.trainer.steps and all(
+        code == 0 for w, code in zip(workers, codes, strict=True) if w.role == "trainer"
+    ):
+        return "finished"
+    if verdict := budget_spent(run_dir, workers, codes):
+        bar.write(verdict)
+        return "failed"
+    if not restart_exited(workers, codes, bar):
+        return "failed"
+    if config.max_wall_s and time.time() - started > config.max_wall_s:
+        bar.write(f"asyncrl: max_wall_s={config.max_wall_s} reached, stopping")
+        return "timeout"
+    return None
+
+
 def follow(
     config: RunConfig,
     run_dir: Path,
@@ -192,18 +212,8 @@ def follow(
                     tok_s=f"{line['tokens_per_s']:.0f}",
                     refresh=False,
                 )
-            if step >= config.trainer.steps and all(
-                code == 0 for w, code in zip(workers, codes, strict=True) if w.role == "trainer"
-            ):
-                return "finished"
-            if verdict := budget_spent(run_dir, workers, codes):
-                bar.write(verdict)
-                return "failed"
-            if not restart_exited(workers, codes, bar):
-                return "failed"
-            if config.max_wall_s and time.time() - started > config.max_wall_s:
-                bar.write(f"asyncrl: max_wall_s={config.max_wall_s} reached, stopping")
-                return "timeout"
+            if outcome := run_outcome(config, run_dir, workers, codes, step, started, bar):
+                return outcome
             if on_first_step and step:  # after the workers were polled: it may add one
                 on_first_step()
                 on_first_step = None

@@ -410,7 +410,7 @@ def _visible(token_text: str) -> str:
     return json.dumps(token_text, ensure_ascii=False)[1:-1].replace(" ", "␣")
 
 
-# The `asyncrl topics` and `asyncrl replay` commands (parsed in pipeline/cli.py).
+# The `asyncrl topics` and `asyncrl replay` commands (parsed in pipeline/commands/topics.py and replay.py).
 
 
 def topics_command(args: argparse.Namespace) -> int:

@@ -33,6 +33,8 @@ from pathlib import Path
 from string import Template
 from typing import TYPE_CHECKING
 
+from pipeline.commands.options import add_config_arguments, given_config
+
 if TYPE_CHECKING:
     from schemas.config import RunConfig
 
@@ -60,8 +62,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "mounts. Resubmitting a run name resumes from its last checkpoint; that needs an external "
         "Kafka (broker.bootstrap), the embedded broker's topics end with its job.",
     )
-    submit.add_argument("config", nargs="?", help="YAML run config (default: the built-in demo)")
-    submit.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=100")
+    add_config_arguments(submit, "dotted overrides, e.g. trainer.steps=100")
     submit.add_argument("--dry-run", action="store_true", help="print the job script, submit nothing")
     submit.add_argument("--nodes", type=positive, default=1, help="nodes of the job (default: %(default)s)")
     submit.add_argument(
@@ -104,6 +105,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="one more #SBATCH option, e.g. --sbatch-arg=--account=rl (repeatable)",
     )
     add_finish_parser(actions)
+    slurm.set_defaults(handle=handle)
 
 
 def add_finish_parser(actions: argparse._SubParsersAction) -> None:
@@ -329,8 +331,9 @@ def render(path: str, overrides: list[str], config: RunConfig, args: argparse.Na
     return script, run_dir
 
 
-def command(path: str, overrides: list[str], config: RunConfig, args: argparse.Namespace) -> int:
+def handle(args: argparse.Namespace) -> int:
     """`asyncrl slurm ACTION`: submit a run, or finish one (the job script's last command)."""
+    path, overrides, config = given_config(args)
     if args.action == "finish":
         return finish(config, args)
     return submit(path, overrides, config, args)

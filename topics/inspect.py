@@ -15,11 +15,14 @@ from collections.abc import Mapping
 
 import msgspec
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka.errors import KafkaError
 
 from topics.clients import assigned_consumer
 from topics.transport import RawRecord
 
 _FETCH_WAIT_MS = 100
+
+BrokerError = KafkaError  # what the Kafka client raises, for callers outside topics/ (which never import aiokafka)
 
 
 class PartitionOffsets(msgspec.Struct, frozen=True):

@@ -35,7 +35,7 @@ def machine() -> dict:
 
 def run_to_end(config: RunConfig, progress: bool) -> Path | None:
     """One whole `asyncrl run` of `config`: its run directory, or None if it did not finish."""
-    from pipeline.launch import run_pipeline
+    from pipeline.launch.local_run import run_pipeline
 
     if run_pipeline(config, progress=progress) != 0:
         return None
@@ -44,8 +44,8 @@ def run_to_end(config: RunConfig, progress: bool) -> Path | None:
 
 def task_config(task: str, overrides: list[str]) -> RunConfig:
     """`task`'s shipped config (pipeline/configs/<task>.yaml, or a YAML file given by path), then `overrides`."""
-    from pipeline.cli import config_file
     from pipeline.config import load_config
+    from pipeline.shipped_configs import config_file
 
     return load_config(config_file(task), overrides)
 
@@ -56,7 +56,7 @@ def task_label(task: str) -> str:
 
 
 def build_demo_model(config: RunConfig, out_dir: Path, progress: bool) -> str:
-    """The task's demo model for `config`'s seed, built with the arguments `asyncrl run` (launch.prepare) gives it."""
+    """The task's demo model for `config`'s seed, built with the arguments `asyncrl run` (pipeline.launch.run_dir.prepare) gives it."""
     from pipeline.config import resolve
     from pipeline.demo_model import prepare_demo_model
     from workers.rollout.workflow import load_workflow

@@ -54,7 +54,7 @@ TAIL_SIGMA = 1.0  # ...log-normal spread, so ~2 % of requests hit the limit
 
 @dataclass
 class Settings:
-    """Defaults live with the CLI options (pipeline/cli.py), which must not import this module for --help."""
+    """Defaults live with the CLI options (pipeline/commands/bench.py), which must not import this module for --help."""
 
     concurrency: int
     requests: int

@@ -1,6 +1,6 @@
 """`asyncrl gpu-check` (`make gpu-check`): the questions only a CUDA machine can answer, in one command.
 
-It ran once, on an H100 in session 14 (numbers in the README, GPU check; two NCCL ranks need two GPUs).
+It has run on an H100 (numbers in the README, GPU check; two NCCL ranks need two GPUs).
 Without CUDA it prints one line and exits 2 before anything else. On CUDA it runs `CHECKS` in order, each on its
 own, so that a failing one does not hide the others' results, then prints a summary table; the JSON is rewritten
 after every check, so a call cut off by the device's time limit still leaves what ran. The two targets the
@@ -20,7 +20,8 @@ ranks for the NCCL ones): GPU time is lent rarely and by the minute, and a check
 GPU run (a renamed option, a moved module) must fail here, not there. Its numbers are no GPU numbers.
 
 torch is imported inside the functions: the no-CUDA line (and a plain one without torch) comes before any of it.
-`python -m pipeline.bench.gpu wheels` is `make gpu-wheels`; `... ranks OUT` is one rank's program under torchrun.
+`make gpu-wheels` (infra/gpu_wheels.py) fetches the wheels it installs; `python -m pipeline.bench.gpu ranks OUT` is one
+rank's program under torchrun.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository: subprocesses run h
 WHEELS = ROOT / "infra" / "gpu-wheels"
 OK, FAILED, NOT_RUN = "ok", "failed", "not run"
 
-# the pipeline's dependencies (pyproject.toml) that `make gpu-wheels` does not fetch, and why
+# the pipeline's dependencies (pyproject.toml) that `make gpu-wheels` (infra/gpu_wheels.py) does not fetch, and why
 ON_GPU_MACHINE = {name: "the GPU machine has it" for name in ("torch", "transformers", "tokenizers", "safetensors")}
 # also in the lent GPU machines' image (with their own dependencies): left out, 53 -> 16 MiB of wheels to carry
 ON_GPU_MACHINE |= {name: "the GPU machine has it" for name in ("matplotlib", "tensorboard", "pyyaml", "tqdm")}
@@ -52,17 +53,6 @@ NOT_CARRIED = {
     "pyarrow": "Parquet data only (`asyncrl eval --data *.parquet`); no check reads Parquet",
     "opentelemetry-exporter-otlp-proto-http": "only with an OTLP endpoint (telemetry.otlp_endpoint)",
 }
-# downloaded as dependencies, then deleted: torch and transformers install them, and numpy alone is ~15 MiB
-BROUGHT_BY_TORCH = ("numpy", "sympy", "mpmath", "setuptools", "pyyaml")
-WHEEL_TAGS = [
-    "--only-binary=:all:",
-    "--python-version=3.12",
-    "--implementation=cp",
-    "--abi=cp312",
-    "--platform=manylinux_2_28_x86_64",
-    "--platform=manylinux_2_17_x86_64",
-    "--platform=manylinux2014_x86_64",
-]
 
 
 @dataclass(frozen=True)
@@ -86,7 +76,7 @@ ON_GPU = Scale(
         *("--max-length", "1024", "--budget", "4096", "--dtype", "bfloat16"),
     ),
     pipeline_model={"hidden_size": 768, "layers": 12, "heads": 12, "kv_heads": 4},  # ~100M parameters
-    # 20 steps, not session 14's 30, whose three runs alone took ~6 of the 10 minutes one device call may run
+    # 20 steps: three runs of 30 took ~6 of the 10 minutes one device call may run
     pipeline=("--task", "chain", "--steps", "20", "--warmup-steps", "4", "--no-progress"),
 )
 REHEARSAL = Scale(  # ON_GPU's arguments, then smaller sizes (the last of an option counts): bfloat16 included
@@ -543,7 +533,7 @@ def pipeline_check(scale: Scale, where: Path) -> Outcome:
 
     # the workers' modules, and what they import only when they get there: chain's verifier, the end-of-run report
     require_modules(
-        "pipeline.launch",
+        "pipeline.launch.local_run",
         "topics.broker",
         "workers.reward.worker",
         "math_verify",
@@ -572,38 +562,5 @@ CHECKS: dict[str, Check] = {  # the performance issue's open targets first (modu
 }
 
 
-def wheel_name(path: Path) -> str:
-    """A wheel file's distribution name, normalised (PyYAML-6.0.3-... -> pyyaml)."""
-    from packaging.utils import canonicalize_name
-
-    return canonicalize_name(path.name.split("-")[0])
-
-
-def download_wheels() -> int:
-    """`make gpu-wheels`: cp312 manylinux x86_64 wheels of the carried requirements and their dependencies into
-    infra/gpu-wheels, less BROUGHT_BY_TORCH; prints every wheel's size, the total and what is left out."""
-    WHEELS.mkdir(parents=True, exist_ok=True)
-    for old in WHEELS.glob("*.whl"):  # a fresh set: old versions would count in the total and travel for nothing
-        old.unlink()
-    command = [sys.executable, "-m", "pip", "download", "--quiet", *WHEEL_TAGS, "--dest", str(WHEELS)]
-    if (code := subprocess.run([*command, *carried_requirements()]).returncode) != 0:
-        return code
-    dropped = []
-    for wheel in sorted(WHEELS.glob("*.whl")):
-        if wheel_name(wheel) in BROUGHT_BY_TORCH:
-            dropped.append(f"{wheel.name} ({wheel.stat().st_size / 2**20:.1f} MiB)")
-            wheel.unlink()
-    kept = sorted(WHEELS.glob("*.whl"), key=lambda wheel: wheel.stat().st_size)
-    for wheel in kept:
-        print(f"{wheel.stat().st_size / 2**20:8.2f} MiB  {wheel.name}")
-    total = sum(wheel.stat().st_size for wheel in kept)
-    print(f"{total / 2**20:8.2f} MiB in {len(kept)} wheels in {WHEELS.relative_to(ROOT)}")
-    print("deleted (torch and transformers install them):", ", ".join(dropped) or "none")
-    print("not fetched:", "; ".join(f"{name}: {why}" for name, why in NOT_CARRIED.items()))
-    return 0
-
-
-if __name__ == "__main__":  # `make gpu-wheels`, and one rank under torchrun (ranks_check)
-    if sys.argv[1:] == ["wheels"]:
-        sys.exit(download_wheels())
+if __name__ == "__main__":  # one rank under torchrun (ranks_check)
     rank_program(Path(sys.argv[2]))

@@ -59,7 +59,7 @@ MMAP_THRESHOLD = 64 * 1024  # bytes: bigger allocations are mapped alone and unm
 
 @dataclass
 class Settings:
-    """Defaults live with the CLI options (pipeline/cli.py), which must not import this module for --help."""
+    """Defaults live with the CLI options (pipeline/commands/bench.py), which must not import this module for --help."""
 
     sequences: int  # per step: one minibatch
     steps: int  # measured steps per run, after one warm-up step

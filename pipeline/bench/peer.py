@@ -201,7 +201,7 @@ def run_peer(config: RunConfig, threads: int, eval_every: int, out_dir: Path, pr
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from pipeline.evaluate import Evaluator, make_scorer
+    from workers.evaluator.scoring import Evaluator, make_scorer
     from workers.models import load_causal_lm
 
     train_rows = task_rows_for_training(config)

@@ -121,7 +121,7 @@ def run_configs(plan: Plan, task: str, common: list[str]) -> dict[Setting, RunCo
 
 
 def build_models(configs: dict[Setting, RunConfig], models_dir: Path, progress: bool) -> dict[int, str]:
-    """The task's demo model once per seed, with the arguments launch.prepare would give it
+    """The task's demo model once per seed, with the arguments pipeline.launch.run_dir.prepare would give it
     (none if model.path is set)."""
     built: dict[int, str] = {}
     for config in configs.values():

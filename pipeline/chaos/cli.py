@@ -52,3 +52,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         metavar="TEXT",
         help="--poison: leave out the kinds whose name holds TEXT, e.g. 'n_samples differs' (repeatable)",
     )
+    chaos.set_defaults(handle=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    from pipeline.chaos.command import chaos_command
+
+    return chaos_command(args)

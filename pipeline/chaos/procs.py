@@ -1,4 +1,4 @@
-"""Processes seen from /proc: which one a kill targets, and which ones a run must not leave behind."""
+"""Processes seen from /proc (`pipeline.procfs`): which one a kill targets, and which ones a run must not leave behind."""
 
 from __future__ import annotations
 
@@ -6,31 +6,8 @@ import contextlib
 import os
 import signal
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
-
-@dataclass(frozen=True)
-class Proc:
-    pid: int
-    ppid: int
-    cmdline: str
-
-
-def processes() -> dict[int, Proc]:
-    """Every live process (zombies left out: they hold nothing but a pid), by pid."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
-            continue
-        if state != "Z":
-            found[int(entry.name)] = Proc(int(entry.name), int(ppid), cmdline)
-    return found
+from pipeline.procfs import Proc, processes
 
 
 def descendants(pid: int, table: dict[int, Proc] | None = None) -> dict[int, Proc]:

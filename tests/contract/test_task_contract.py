@@ -67,7 +67,7 @@ def test_demo_model_can_hold_and_spell_every_problem(user_task_spec):
 
 
 def test_a_user_task_file_runs_by_path(user_task_spec):
-    from pipeline.launch import check_dataset
+    from pipeline.launch.run_dir import check_dataset
     from workers.rows import load_rows
 
     config = resolve(load_config(None, [f"data.task={user_task_spec}", "data.held_out=10"]))

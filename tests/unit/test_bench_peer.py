@@ -9,7 +9,7 @@ import pytest
 from pipeline.bench import build_demo_model, peer, task_config, with_model
 from pipeline.cli import build_parser, main
 from pipeline.config import ConfigError, resolve
-from pipeline.evaluate import make_scorer
+from workers.evaluator.scoring import make_scorer
 from workers.rows import Row
 
 

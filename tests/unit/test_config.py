@@ -214,7 +214,7 @@ def test_a_retired_name_says_what_replaces_it(tmp_path, where):
 
 
 def test_shipped_configs_run_by_name():
-    from pipeline.cli import config_file
+    from pipeline.shipped_configs import config_file
 
     assert config_file(None).endswith("configs/arith.yaml")  # `asyncrl run` = the demo
     for name in ("arith", "chain"):

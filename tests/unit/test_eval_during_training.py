@@ -14,11 +14,11 @@ import pytest
 
 from pipeline import monitor
 from pipeline.config import load_config, resolve, save_config
-from pipeline.eval_set import NO_EVAL_SET, rows_for_config
-from pipeline.eval_worker import EvalRequests, link, queue_dir, queued, score_version
-from pipeline.evaluate import Evaluator
-from pipeline.launch import WorkerProcess
+from pipeline.launch.worker_processes import WorkerProcess
 from workers import runtime
+from workers.evaluator.rows import NO_EVAL_SET, rows_for_config
+from workers.evaluator.scoring import Evaluator
+from workers.evaluator.worker import EvalRequests, link, queue_dir, queued, score_version
 from workers.runtime import version_path
 from workers.weights import unique_state_dict, write_version
 
@@ -191,7 +191,7 @@ def test_a_version_that_cannot_be_scored_is_dropped_with_its_reason_and_the_next
     """The evaluator's loop in this process (this test's threads keep their priority)."""
     import asyncio
 
-    from pipeline import eval_worker
+    from workers.evaluator import worker as eval_worker
 
     monkeypatch.setattr(eval_worker, "lower_priority", lambda: None)
     config = own_jsonl_config(demo_model_dir, tmp_path)

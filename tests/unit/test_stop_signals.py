@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
-from pipeline import launch
-from pipeline.launch import RunStopped, StopSignals, WorkerProcess
+from pipeline.launch import worker_processes
+from pipeline.launch.stop_signals import RunStopped, StopSignals
+from pipeline.launch.worker_processes import WorkerProcess
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
 
@@ -37,7 +38,7 @@ def signal_inside_popen(monkeypatch, signum: int) -> list[int]:
         started.append(process.pid)
         return process
 
-    monkeypatch.setattr(launch.subprocess, "Popen", popen)
+    monkeypatch.setattr(worker_processes.subprocess, "Popen", popen)
     return started
 
 

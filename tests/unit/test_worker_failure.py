@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from pipeline import monitor
-from pipeline.launch import WorkerProcess
+from pipeline.launch.worker_processes import WorkerProcess
 
 CRASH = """reward worker starting
 Traceback (most recent call last):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import sys
 
-from pipeline.config import ConfigError
 from schemas.config import RunConfig
+from schemas.errors import ConfigError
 from workers.rows import Row, read_rows, rows_of
 from workers.tasks import load_task
 

@@ -3,7 +3,7 @@
 The monitor asks for a weight version by hard-linking its file into `<run dir>/eval/queue` (the
 trainer deletes all but its newest versions; the link keeps this one until it is scored), and
 never waits for the answer. This process (`asyncrl worker eval`, started by the launcher) scores
-the queue oldest first with `pipeline.evaluate`: the version's `eval` line in metrics.jsonl, its
+the queue oldest first with `workers.evaluator.scoring`: the version's `eval` line in metrics.jsonl, its
 rows in `eval/v<version>.jsonl`. It runs under SCHED_IDLE, so the kernel gives it a core only when
 no other process wants one: an evaluation takes (almost) nothing from the trainer and the rollout
 workers (README, Benchmarks); it falls behind instead and catches up when they wait, or once they
@@ -111,7 +111,7 @@ class EvalRequests:
 def score_version(run_dir: Path, evaluator, version: int, weights: Path | None) -> dict | None:
     """Score `weights` (a version's file; None: the model as loaded) as version `version`: its `eval` line
     appended to metrics.jsonl, its rows to eval/v<version>.jsonl. The line, or None when the file is gone."""
-    from pipeline.evaluate import EVAL_KEYS, write_rows
+    from workers.evaluator.scoring import EVAL_KEYS, write_rows
 
     result = evaluator.evaluate(weights)
     if result is None:
@@ -126,7 +126,7 @@ def score_version(run_dir: Path, evaluator, version: int, weights: Path | None) 
 
 async def main(config: RunConfig, stop: asyncio.Event) -> None:
     """Score the queue until the launcher is done asking (`DONE`) and it is empty, or until stopped."""
-    from pipeline.evaluate import Evaluator
+    from workers.evaluator.scoring import Evaluator
 
     lower_priority()  # the launcher starts it so; by hand, from here on
     run_dir, queue = runtime.run_dir(config), queue_dir(runtime.run_dir(config))

@@ -26,16 +26,16 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from pipeline.config import ConfigError
-from pipeline.eval_set import rows_for_config
-from pipeline.stats import percentile
 from schemas.config import RunConfig
+from schemas.errors import ConfigError
+from workers.evaluator.rows import rows_for_config
 from workers.models import encode_prompt, load_causal_lm
 from workers.reward import functions
 from workers.rollout.engine import Engine
 from workers.rollout.protocol import SamplingParams, check_request, generate_all
 from workers.rollout.workflow import call_token_of, generate_turns, load_workflow
 from workers.rows import Row
+from workers.stats import percentile
 from workers.weights import load_into, read_version
 
 CORRECT_AT = 1.0  # full credit: the built-in verifiers give 1.0 for a right answer, 0.0 otherwise

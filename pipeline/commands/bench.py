@@ -1,0 +1,232 @@
+"""`asyncrl bench <name>` runs pipeline/bench/<name>.py; its options are declared here, so --help stays light."""
+
+from __future__ import annotations
+
+import argparse
+
+from pipeline.commands.options import add_device_option, add_no_progress, add_task_option
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="measure the system's parts against baselines")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    add_generate_options(
+        kinds.add_parser("generate", help="engine tokens/s vs Hugging Face generate at equal concurrency")
+    )
+    add_microbatch_options(
+        kinds.add_parser(
+            "microbatch", help="trainer tokens/s and peak memory: token-budget vs fixed-count micro-batches"
+        )
+    )
+    add_pipeline_options(
+        kinds.add_parser(
+            "pipeline",
+            help="training throughput: eta=0 vs eta=4, interruption on vs off",
+            description="Three whole pipelines of --task's shipped config (default chain), back to back on one demo "
+            "model: eta 0 (sync), eta 4 with interruption, eta 4 without. Reports trained and generated tokens/s, "
+            "the cores each role was given and used, and the machine's cores.",
+        )
+    )
+    add_staleness_options(
+        kinds.add_parser(
+            "staleness",
+            help="held-out accuracy vs staleness bound eta, naive vs decoupled PPO (the paper's Table 2)",
+            description="Train --task (its shipped config, default chain) with eta in {0, 1, 2, 4, 8} under naive "
+            "and decoupled PPO, one whole pipeline per run, from one warm-up model per seed; each cell is the mean "
+            "+- sample sd over the seeds. The full grid is 5 x 2 x 3 seeds = 30 runs of the task's trainer.steps "
+            "(arith: 1,200 steps, about 3 h on 2 idle CPU cores, 4-6 h on busy ones; chain: to be measured). "
+            "--quick: eta 0 and 4, one seed, half the steps, 4 runs (arith: about 15 min idle, 21 min on 2 busy "
+            "cores).",
+        )
+    )
+    add_peer_options(
+        kinds.add_parser(
+            "peer",
+            help="held-out accuracy vs wall time: asyncrl run against TRL's GRPOTrainer (the peer extra)",
+            description="TRL's GRPOTrainer, then `asyncrl run --task`, one after the other on the same cores, from "
+            "the same demo model, with the task config's batch, samples, lr and output limit; both scored by "
+            "asyncrl's evaluator. Reports each one's accuracy against wall time and time_to_peer_final_ratio "
+            "(asyncrl's time to the peer's final accuracy / the peer's wall time). Needs pip install -e '.[peer]'.",
+        )
+    )
+    add_sandbox_options(
+        kinds.add_parser(
+            "sandbox",
+            help="sandboxed executions of untrusted Python per second, cold (a bwrap each) and warm",
+            description="Runs `pass` and a small checker in workers/reward/sandbox.py's sandbox, cold (a fresh "
+            "bwrap per execution) and warm (a fork of a warm server in fresh namespaces), --executions times at "
+            "each --parallelism, and the same Python alone outside it for scale; needs bwrap (package bubblewrap).",
+        )
+    )
+    bench.set_defaults(handle=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    from pipeline.bench import run
+
+    return run(args)
+
+
+def add_pipeline_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. rollout.max_batch=16")
+    add_task_option(parser)
+    parser.add_argument("--out", help="JSON results file (default: runs/bench/pipeline-<task>.json)")
+    parser.add_argument("--steps", type=int, default=60, help="trainer steps per run (default: %(default)s)")
+    parser.add_argument(
+        "--warmup-steps", type=int, default=10, help="steps left out of the measurement (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help="output length limit (default: the task config's rollout.max_new_tokens, 0 = the task's own)",
+    )
+    parser.add_argument("--batch-groups", type=int, default=8, help="groups per step (default: %(default)s)")
+    parser.add_argument("--n-samples", type=int, default=8, help="samples per group (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=1e-9,
+        help="trainer learning rate; tiny by default, so the policy (and its output lengths) stays "
+        "the same in every run and the ratios measure the system, not learning (default: %(default)s)",
+    )
+    add_no_progress(parser)
+
+
+def add_peer_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("overrides", nargs="*", help="dotted overrides of the task config, for both systems")
+    add_task_option(parser, default="arith")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help="trainer steps of each (default: 1,200 on arith, TRL's run in the README, which needs them to learn "
+        "what asyncrl's shipped arith config learns in 600; else the task config's trainer.steps)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="demo model, data order and sampling (default: 0)")
+    parser.add_argument(
+        "--threads", type=int, help="cores both systems are pinned to, the peer's torch threads (default: all usable)"
+    )
+    parser.add_argument(
+        "--eval-every", type=int, help="steps between held-out evaluations (default: the task config's eval.every)"
+    )
+    parser.add_argument("--out", help="JSON results file, the plot next to it (default: runs/bench/peer-<task>.json)")
+    add_no_progress(parser)
+
+
+def add_sandbox_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--executions", type=int, default=200, help="per program and parallelism (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--parallelism", type=int, nargs="+", default=[1, 2], help="executions at a time, threads (default: 1 2)"
+    )
+    parser.add_argument("--out", default="runs/bench/sandbox.json", help="JSON results file (default: %(default)s)")
+
+
+def add_generate_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="runs/bench/generate.json", help="JSON results file (default: %(default)s)")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=64,
+        help="engine max_batch, and HF batch size unless --hf-batch (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--requests", type=int, default=256, help="requests per length distribution (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=96,
+        help="the longest output; every fixed-length request is this long (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="weights, prompts, lengths and sampling (default: %(default)s)"
+    )
+    parser.add_argument("--hf-batch", type=int, default=None, help="HF generate batch size (default: --concurrency)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads; more only pays on an idle machine, tiny matmuls lose under contention "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="alternating runs per system and length distribution; the fastest counts (default: %(default)s)",
+    )
+    add_device_option(parser)
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="the model's weights and activations, in both systems (default: %(default)s)",
+    )
+
+
+def add_staleness_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. trainer.optim.lr=3e-4")
+    add_task_option(parser)
+    parser.add_argument("--quick", action="store_true", help="eta 0 and 4 only, seed 0, half the steps")
+    parser.add_argument("--seeds", type=int, nargs="+", help="seeds (default: 0 1 2; --quick: 0)")
+    parser.add_argument(
+        "--etas",
+        type=int,
+        nargs="+",
+        help="max_staleness values (default: 0 1 2 4 8; --quick: 0 4); part of a grid, to --merge with the rest",
+    )
+    parser.add_argument(
+        "--steps", type=int, help="trainer steps per run (default: the task config's trainer.steps; --quick: half)"
+    )
+    parser.add_argument(
+        "--eval-every", type=int, default=50, help="steps between held-out evaluations (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--out",
+        help="JSON results file, the plot next to it as .png "
+        "(default: runs/bench/staleness-<task>.json; --quick: runs/bench/staleness-<task>-quick.json)",
+    )
+    add_no_progress(parser)
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: one table and plot from reports of separate runs (e.g. one seed each)",
+    )
+
+
+def add_microbatch_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="runs/bench/microbatch.json", help="JSON results file (default: %(default)s)")
+    parser.add_argument("--sequences", type=int, default=32, help="sequences per step (default: %(default)s)")
+    parser.add_argument(
+        "--steps", type=int, default=5, help="timed steps per run, after one warm-up (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--max-length", type=int, default=512, help="longest sequence, prompt + completion (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--budget",
+        type=int,
+        default=1024,
+        help="tokens per dynamic micro-batch; the fixed count is chosen to stay within it (default: %(default)s)",
+    )
+    parser.add_argument("--hidden-size", type=int, default=256, help="model width (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=2, help="model depth (default: %(default)s)")
+    parser.add_argument("--vocab-size", type=int, default=4096, help="(default: %(default)s)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="alternating runs per mode, each in a fresh process; the fastest counts (default: %(default)s)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="weights, lengths and tokens (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    add_device_option(parser)
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="the forwards' compute dtype (autocast; float32 master weights either way) (default: %(default)s)",
+    )
