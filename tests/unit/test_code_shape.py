@@ -22,7 +22,7 @@ WORKER_LOOPS = {
     "rollout": "workers.rollout.worker:generate",
     "reward": "workers.reward.worker:main",
     "trainer": "workers.trainer.worker:lead",
-    "evaluator": "pipeline.eval_worker:main",
+    "evaluator": "workers.evaluator.worker:main",
 }
 
 Function = ast.FunctionDef | ast.AsyncFunctionDef
