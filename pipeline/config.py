@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import re
-import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -33,50 +32,19 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
-# Names of fields that moved, old dotted name -> where it lives now. `trainer.microbatch` comes first: it was
-# the mode string and is now a section, so it must become one before the other micro-batch names move into it.
-LEGACY_NAMES = {
-    "trainer.microbatch": "trainer.microbatch.mode",
+# Names that older configs used, and what to write now: fields renamed on the way into a section. A field that
+# only moved into a section (trainer.lr is trainer.optim.lr) is found by its name (`moved_to`).
+RENAMED = {
+    "trainer.microbatch": "trainer.microbatch.mode",  # a string then: a section now
     "trainer.max_tokens_per_microbatch": "trainer.microbatch.max_tokens",
     "trainer.min_microbatches": "trainer.microbatch.min_count",
     "trainer.microbatches_fixed": "trainer.microbatch.fixed_count",
-    **{f"trainer.{name}": f"trainer.optim.{name}" for name in ("lr", "weight_decay", "grad_clip", "minibatches")},
-    **{
-        f"trainer.{name}": f"trainer.loss.{name}"
-        for name in (
-            "objective",
-            "advantage",
-            "clip_eps",
-            "clip_eps_high",
-            "behaviour_weight_cap",
-            "behaviour_weight_mode",
-            "behaviour_weight_level",
-            "kl_coef",
-        )
-    },
     "trainer.loss_aggregation": "trainer.loss.aggregation",
     "trainer.checkpoint_every": "trainer.checkpoint.every",
     "trainer.keep_checkpoints": "trainer.checkpoint.keep",
-    "trainer.keep_versions": "trainer.checkpoint.keep_versions",
-    "trainer.weights_dir": "trainer.checkpoint.weights_dir",
     "trainer.warmup_steps": "model.warmup_steps",
-}
-
-
-# Fields replaced by one whose values differ: old dotted name -> what to write now.
-RETIRED_NAMES = {
     "rollout.recompute_cache": "rollout.cache_lag (recompute_cache true is cache_lag 0, false a large cache_lag)",
 }
-
-
-def current_name(path: list[str], value: Any, used: set[str]) -> list[str]:
-    """`path` itself, or where the old name it spells lives now (noted in `used`); a mapping is a section,
-    never an old name (`trainer.microbatch` was a string)."""
-    old = ".".join(path)
-    if old not in LEGACY_NAMES or isinstance(value, dict):
-        return path
-    used.add(old)
-    return LEGACY_NAMES[old].split(".")
 
 
 def set_path(tree: dict[str, Any], path: list[str], value: Any, what: str) -> None:
@@ -90,36 +58,52 @@ def set_path(tree: dict[str, Any], path: list[str], value: Any, what: str) -> No
     node[path[-1]] = value
 
 
-def parent_of(tree: dict[str, Any], path: list[str]) -> dict[str, Any] | None:
-    """The section that holds (or would hold) `path`'s last part, if the tree has it."""
-    node: Any = tree
-    for part in path[:-1]:
-        node = node.get(part) if isinstance(node, dict) else None
-    return node if isinstance(node, dict) else None
-
-
-def move_legacy_names(tree: dict[str, Any], used: set[str], where: str) -> None:
-    """Move the old names of a config file (one an older version wrote, say) to where they live now."""
-    for old in LEGACY_NAMES:
-        path = old.split(".")
-        section = parent_of(tree, path)
-        if section is None or path[-1] not in section:
-            continue
-        new = current_name(path, section[path[-1]], used)
-        if new == path:
-            continue
-        target = parent_of(tree, new)
-        if target is not None and new[-1] in target:
-            raise ConfigError(f"{where} sets both {old} and {'.'.join(new)} (one setting): keep {'.'.join(new)}")
-        set_path(tree, new, section.pop(path[-1]), f"{where}: {old}")
-
-
-def apply_overrides(tree: dict[str, Any], overrides: list[str], used: set[str]) -> dict[str, Any]:
-    """Each `section.key=value` into `tree`, an old name to its current place (noted in `used`)."""
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Each `section.key=value` into `tree`."""
     for text in overrides:
         path, value = parse_override(text)
-        set_path(tree, current_name(path, value, used), value, f"override {text!r}")
+        set_path(tree, path, value, f"override {text!r}")
     return tree
+
+
+def field_paths(struct: type[msgspec.Struct] = RunConfig, prefix: str = "") -> dict[str, type | None]:
+    """Every field of the schema by dotted name, with its section's type (None for a value)."""
+    paths: dict[str, type | None] = {}
+    for field in msgspec.structs.fields(struct):
+        name = f"{prefix}{field.name}"
+        section = field.type if isinstance(field.type, type) and issubclass(field.type, msgspec.Struct) else None
+        paths[name] = section
+        if section is not None:
+            paths.update(field_paths(section, f"{name}."))
+    return paths
+
+
+def moved_to(old: str) -> str | None:
+    """Where a name that is no field of the schema lives now: its renamed field, or the one field of that name
+    in a section below its own."""
+    if old in RENAMED:
+        return RENAMED[old]
+    parent, _, leaf = old.rpartition(".")
+    below = [path for path in field_paths() if path.startswith(f"{parent}.") and path.endswith(f".{leaf}")]
+    return below[0] if len(below) == 1 and below[0] != old else None
+
+
+def check_names(tree: dict[str, Any], where: str) -> None:
+    """A name of an older config (an unknown field, or a section given a value) is one line naming the new one."""
+    schema = field_paths()
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            name = f"{prefix}{key}"
+            section = schema.get(name, False)
+            if section is None or (section and isinstance(value, dict)):
+                if section:
+                    walk(value, f"{name}.")
+                continue
+            if (new := moved_to(name)) is not None:
+                raise ConfigError(f"{name} was renamed: use {new}{where}")
+
+    walk(tree, "")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
@@ -135,14 +119,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         tree = loaded or {}
-    used: set[str] = set()
-    move_legacy_names(tree, used, str(path))
-    tree = apply_overrides(tree, list(overrides), used)
-    for old in sorted(used, key=list(LEGACY_NAMES).index):
-        print(f"asyncrl: {old} is now {LEGACY_NAMES[old]} (the old name still works)", file=sys.stderr)
-    for old, now in RETIRED_NAMES.items():
-        if old.split(".")[-1] in (parent_of(tree, old.split(".")) or {}):
-            raise ConfigError(f"{old} is retired: use {now}")
+    check_names(tree, f" (in {path})")
+    tree = apply_overrides(tree, list(overrides))
+    check_names(tree, "")
     try:
         config = msgspec.convert(tree, RunConfig, strict=False)
     except msgspec.ValidationError as exc:
