@@ -89,8 +89,8 @@ class DataConfig(Section):
     reward: Annotated[
         str,
         doc(
-            "'builtin' (the task's verifier), 'math' (math-verify), 'code' (the row's tests run in the sandbox) "
-            "or 'module:function' of your own"
+            "'builtin' (the task's verifier), 'math' (math-verify), 'code' (the row's tests run in the sandbox), "
+            "or your own function as path/to/file.py:function or module:function"
         ),
     ] = "builtin"
     eval_source: Annotated[
@@ -395,7 +395,9 @@ class RunConfig(Section):
         if "/" in self.name or self.name in {".", "..", "latest"}:
             raise ValueError(f"name {self.name!r} must be a plain directory name other than 'latest'")
         if self.data.reward not in {"builtin", "math", "code"} and ":" not in self.data.reward:
-            raise ValueError(f"data.reward {self.data.reward!r}: use 'builtin', 'math', 'code' or 'module:function'")
+            raise ValueError(
+                f"data.reward {self.data.reward!r}: use builtin, math, code, path/to/file.py:function or module:function"
+            )
         if self.data.source != "builtin" and self.data.reward == "builtin":
             raise ValueError(
                 "data.reward 'builtin' verifies the built-in task only; use 'math', 'code' or 'module:function'"
