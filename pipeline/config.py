@@ -12,7 +12,7 @@ import msgspec
 import yaml
 from msgspec.structs import replace
 
-from schemas.config import RunConfig
+from schemas.config import AUTO, DataConfig, RunConfig
 from workers.cores import cores_here, split_cores
 
 
@@ -44,6 +44,20 @@ RENAMED = {
     "trainer.keep_checkpoints": "trainer.checkpoint.keep",
     "trainer.warmup_steps": "model.warmup_steps",
     "rollout.recompute_cache": "rollout.cache_lag (recompute_cache true is cache_lag 0, false a large cache_lag)",
+}
+
+
+# What older configs wrote for an automatic value, now spelled "auto" (elsewhere 0 stays a real zero).
+OLD_AUTOMATIC: dict[str, Any] = {
+    "broker.fetch_wait_ms": 0,
+    "model.warmup_steps": None,
+    "data.eval_source": "",
+    "rollout.max_new_tokens": 0,
+    "rollout.cache_lag": None,
+    "rollout.threads": 0,
+    "trainer.threads": 0,
+    "trainer.loss.clip_eps_high": 0,
+    "trainer.checkpoint.weights_dir": "",
 }
 
 
@@ -89,21 +103,31 @@ def moved_to(old: str) -> str | None:
 
 
 def check_names(tree: dict[str, Any], where: str) -> None:
-    """A name of an older config (an unknown field, or a section given a value) is one line naming the new one."""
+    """A name or an automatic value of an older config (an unknown field, a section given a value, a 0 that
+    meant auto) is one line naming what to write now."""
     schema = field_paths()
 
     def walk(node: dict[str, Any], prefix: str) -> None:
         for key, value in node.items():
             name = f"{prefix}{key}"
-            section = schema.get(name, False)
-            if section is None or (section and isinstance(value, dict)):
-                if section:
-                    walk(value, f"{name}.")
-                continue
-            if (new := moved_to(name)) is not None:
+            section = schema.get(name, False)  # False: no field of that name
+            if section and isinstance(value, dict):
+                walk(value, f"{name}.")
+            elif section is None and name in OLD_AUTOMATIC and old_automatic(value, OLD_AUTOMATIC[name]):
+                raise ConfigError(f"{name}={yaml_scalar(value)}: an automatic value is spelled {name}=auto{where}")
+            elif section is not None and (new := moved_to(name)) is not None:
                 raise ConfigError(f"{name} was renamed: use {new}{where}")
 
     walk(tree, "")
+
+
+def old_automatic(value: Any, spelling: Any) -> bool:
+    """`value` is `spelling` (0, null or ''), a boolean never (False == 0)."""
+    return not isinstance(value, bool) and type(value) in (type(spelling), float) and value == spelling
+
+
+def yaml_scalar(value: Any) -> str:
+    return yaml.safe_dump(value, default_style=None).removesuffix("\n...\n").strip()
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
@@ -142,45 +166,52 @@ def origin(error: msgspec.ValidationError, path: str | Path | None, overrides: l
 
 
 def resolve(config: RunConfig) -> RunConfig:
-    """Every automatic value made explicit, so config.yaml and `--dry-run` say what runs. Idempotent.
+    """Every automatic value ("auto") made explicit, so config.yaml and `--dry-run` say what runs. Idempotent.
 
     Called where a config is handed to workers (`prepare`, which writes config.yaml; `asyncrl worker`)
-    or shown (`--dry-run`), once the run directory is named.
-
-    rollout.max_new_tokens 0 and model.warmup_steps null -> the task's defaults; rollout.cache_lag null -> 1 on
-    the torch backend, 0 on vLLM; model.dtype auto -> bfloat16 on
-    CUDA, float32 on CPU; broker.fetch_wait_ms 0 -> 20 ms when trainer.max_staleness is 0 (every hop is on the
-    critical path of a synchronous step), else 50 ms; broker.sole_consumers null -> false (`on_one_machine`
-    sets it first under `asyncrl run`);
-    trainer.threads and rollout.threads 0 -> their shares of `cores` (0, a deployment: 1 each);
-    trainer.checkpoint.weights_dir '' -> <runs_dir>/<name>/weights, absolute.
+    or shown (`--dry-run`), once the run directory is named. The field descriptions say what each becomes.
     """
-    broker, trainer, model, rollout = config.broker, config.trainer, config.model, config.rollout
-    task = load_task_or_error(config.data.task)
-    if config.rollout.workflow:
-        load_or_error(config.rollout.workflow, "workers.rollout.workflow", "load_workflow")
-    if not rollout.max_new_tokens:
+    broker, data, trainer, model, rollout = config.broker, config.data, config.trainer, config.model, config.rollout
+    task = load_task_or_error(data.task)
+    if rollout.workflow:
+        load_or_error(rollout.workflow, "workers.rollout.workflow", "load_workflow")
+    if rollout.max_new_tokens == AUTO:
         rollout = replace(rollout, max_new_tokens=task.max_new_tokens)
-    if model.warmup_steps is None:
-        model = replace(model, warmup_steps=task.demo.warmup_max_steps)
-    if rollout.cache_lag is None:
+    if rollout.cache_lag == AUTO:
         rollout = replace(rollout, cache_lag=0 if rollout.backend == "vllm" else 1)
-    if model.dtype == "auto":
+    if model.warmup_steps == AUTO:
+        model = replace(model, warmup_steps=task.demo.warmup_max_steps)
+    if model.dtype == AUTO:
         model = replace(model, dtype="bfloat16" if model.device.startswith("cuda") else "float32")
-    if not broker.fetch_wait_ms:
+    if data.eval_source == AUTO:
+        data = replace(data, eval_source=automatic_eval_source(data))
+    if broker.fetch_wait_ms == AUTO:
         broker = replace(broker, fetch_wait_ms=20 if trainer.max_staleness == 0 else 50)
     if broker.sole_consumers is None:  # not `asyncrl run` (on_one_machine): a deployment, whose roles may scale
         broker = replace(broker, sole_consumers=False)
-    if not (trainer.threads and rollout.threads):
-        trainer_threads, rollout_threads = (
-            split_cores(config.cores, trainer.ranks, rollout.workers, trainer.threads, rollout.threads)
-            if config.cores
-            else (trainer.threads or 1, rollout.threads or 1)  # a deployment: each replica's cores are unknown here
-        )
+    if AUTO in (trainer.threads, rollout.threads):
+        trainer_threads, rollout_threads = threads_on(config.cores, config)
         trainer, rollout = replace(trainer, threads=trainer_threads), replace(rollout, threads=rollout_threads)
-    if not trainer.checkpoint.weights_dir:
+    if trainer.loss.clip_eps_high == AUTO:
+        trainer = replace(trainer, loss=replace(trainer.loss, clip_eps_high=trainer.loss.clip_eps))
+    if trainer.checkpoint.weights_dir == AUTO:
         trainer = replace(trainer, checkpoint=replace(trainer.checkpoint, weights_dir=derived_weights_dir(config)))
-    return replace(config, broker=broker, trainer=trainer, model=model, rollout=rollout)
+    return replace(config, broker=broker, data=data, trainer=trainer, model=model, rollout=rollout)
+
+
+def automatic_eval_source(data: DataConfig) -> str:
+    """data.eval_source auto: the task's held-out split for the task's own rows; a dataset file has none."""
+    return "builtin" if data.source == "builtin" else "none"
+
+
+def threads_on(cores: int, config: RunConfig) -> tuple[int, int]:
+    """(trainer threads per rank, rollout threads per worker): those given, the automatic ones split from `cores`
+    (0, a deployment where each replica's cores are unknown here: 1 each)."""
+    trainer, rollout = config.trainer, config.rollout
+    given = [0 if threads == AUTO else threads for threads in (trainer.threads, rollout.threads)]
+    if not cores:
+        return given[0] or 1, given[1] or 1
+    return split_cores(cores, trainer.ranks, rollout.workers, *given)
 
 
 def derived_weights_dir(config: RunConfig) -> str:

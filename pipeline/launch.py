@@ -35,7 +35,7 @@ import msgspec
 
 from pipeline.config import ConfigError, derived_weights_dir, load_config, on_one_machine, resolve, save_config
 from pipeline.forkserver import ForkedProcess, ForkServer, reap_strays, worker_argv
-from schemas.config import RunConfig
+from schemas.config import AUTO, RunConfig
 from topics.broker import die_with_parent
 from workers import runtime
 from workers.cores import lower_priority
@@ -131,8 +131,8 @@ def new_run_dir(config: RunConfig) -> RunConfig:
     disk is what `asyncrl export` and a resumed trainer take as the run's)."""
     checkpoint = config.trainer.checkpoint
     if checkpoint.weights_dir == derived_weights_dir(config):  # that run's own: derive the new run's
-        checkpoint = msgspec.structs.replace(checkpoint, weights_dir="")
-    elif checkpoint.weights_dir and (held := runtime.versions_on_disk(Path(checkpoint.weights_dir))):
+        checkpoint = msgspec.structs.replace(checkpoint, weights_dir=AUTO)
+    elif checkpoint.weights_dir != AUTO and (held := runtime.versions_on_disk(Path(checkpoint.weights_dir))):
         raise ConfigError(
             f"trainer.checkpoint.weights_dir {checkpoint.weights_dir} holds weight versions already (v{held[0]} to "
             f"v{held[-1]}, another run's): give this run an empty directory"

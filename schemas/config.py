@@ -10,6 +10,9 @@ from typing import Annotated, Literal
 
 import msgspec
 
+AUTO = "auto"  # the one spelling of an automatic value: `pipeline.config.resolve` makes it explicit
+Auto = Literal["auto"]
+
 
 def doc(text: str, **constraints) -> msgspec.Meta:
     """Field description (shown by `asyncrl run --dry-run --explain`) plus constraints."""
@@ -44,15 +47,12 @@ class BrokerConfig(Section):
         ),
     ] = None
     fetch_wait_ms: Annotated[
-        int,
+        Annotated[int, msgspec.Meta(ge=1)] | Auto,
         doc(
-            "longest a worker's fetch waits at the broker for new records (on Tansu a hop's latency grows with "
-            "it: a record reached a waiting consumer after ~7 ms at 20 or 50, ~25 ms at 200); 0 = 20 when "
-            "trainer.max_staleness is 0 (every hop is on the critical path of a synchronous step), else 50 (a "
-            "run of short steps waits on its hops at 200; at 20 the idle fetches take the cores from generation)",
-            ge=0,
+            "Longest a worker's fetch waits at the broker for new records; auto = 20 when trainer.max_staleness "
+            "is 0, else 50. (docs: Reference, Broker fetch wait)"
         ),
-    ] = 0
+    ] = AUTO
 
 
 class ModelConfig(Section):
@@ -66,12 +66,12 @@ class ModelConfig(Section):
         ),
     ] = "auto"
     warmup_steps: Annotated[
-        Annotated[int, msgspec.Meta(ge=0)] | None,
+        Annotated[int, msgspec.Meta(ge=0)] | Auto,
         doc(
-            "demo model only: at most this many supervised warm-up steps (it stops earlier at the task's target); "
-            "0 = none (a random model); empty (null) = the task's own cap"
+            "Demo model only: at most this many supervised warm-up steps, stopping earlier at the task's target; "
+            "0 = none (a random model), auto = the task's own cap."
         ),
-    ] = None
+    ] = AUTO
 
 
 class DataConfig(Section):
@@ -96,10 +96,10 @@ class DataConfig(Section):
     eval_source: Annotated[
         str,
         doc(
-            "held-out JSONL/Parquet (prompt/answer) scored during and after training; empty = the task's held-out "
-            "split when data.source is 'builtin', else no evaluation"
+            "Held-out rows scored during and after training: a JSONL or Parquet file (prompt/answer), 'builtin' "
+            "(the task's held-out split) or 'none'; auto = 'builtin' when data.source is 'builtin', else 'none'."
         ),
-    ] = ""
+    ] = AUTO
     template: Annotated[
         Literal["raw", "chat"],
         doc("'raw': the prompt text tokenised as is; 'chat': the tokenizer's chat template, one user turn"),
@@ -116,21 +116,21 @@ class RolloutConfig(Section):
     temperature: Annotated[float, doc("sampling temperature (0 = greedy)", ge=0)] = 1.0
     top_p: Annotated[float, doc("nucleus sampling mass", gt=0, le=1)] = 1.0
     top_k: Annotated[int, doc("sample among the k most likely tokens; 0 = off", ge=0)] = 0
-    max_new_tokens: Annotated[int, doc("completion length limit; 0 = the task's default", ge=0)] = 0
+    max_new_tokens: Annotated[
+        Annotated[int, msgspec.Meta(ge=1)] | Auto, doc("Completion length limit; auto = the task's default.")
+    ] = AUTO
     interrupt: Annotated[bool, doc("interrupt in-flight sequences when new weights arrive")] = True
     cache_lag: Annotated[
-        Annotated[int, msgspec.Meta(ge=0)] | None,
+        Annotated[int, msgspec.Meta(ge=0)] | Auto,
         doc(
-            "versions a running sequence's KV cache may lag the weights: at an interruption, sequences whose cache "
-            "is older are re-prefilled under the new weights, the others keep it and compute only what follows "
-            "with the new ones (an in-flight update); 0 = recompute every running sequence at every version "
-            "(AReaL), a large value = never (PipelineRL); empty (null) = 1 on the torch backend, 0 on vLLM (which "
-            "re-prefills a resumed request: it takes 0 only)"
+            "Versions a running sequence's KV cache may lag the weights before an interruption re-prefills it: 0 = "
+            "always (AReaL), large = never (PipelineRL); auto = 1 on torch, 0 on vLLM. (docs: Concepts, Interruption)"
         ),
-    ] = None
+    ] = AUTO
     threads: Annotated[
-        int, doc("torch CPU threads of each rollout worker; 0 = its share of the run's cores (see `cores`)", ge=0)
-    ] = 0
+        Annotated[int, msgspec.Meta(ge=1)] | Auto,
+        doc("Torch CPU threads of each rollout worker; auto = its share of the launcher's cores (1 in a deployment)."),
+    ] = AUTO
     backend: Annotated[
         Literal["torch", "vllm"],
         doc("inference engine: 'torch' (embedded, CPU or CUDA) or 'vllm' (CUDA, needs the vllm extra)"),
@@ -204,8 +204,9 @@ class LossConfig(Section):
     ] = "grpo"
     clip_eps: Annotated[float, doc("PPO ratio clip epsilon", gt=0, lt=1)] = 0.2
     clip_eps_high: Annotated[
-        float, doc("upper ratio clip epsilon (clip-higher): clip(r, 1-clip_eps, 1+clip_eps_high); 0 = clip_eps", ge=0)
-    ] = 0.0
+        Annotated[float, msgspec.Meta(gt=0)] | Auto,
+        doc("Upper ratio clip epsilon (clip-higher): clip(r, 1-clip_eps, 1+clip_eps_high); auto = clip_eps."),
+    ] = AUTO
     behaviour_weight_cap: Annotated[float, doc("cap on the behaviour weight pi_prox/pi_behav; 0 = no cap", ge=0)] = 0.0
     behaviour_weight_mode: Annotated[
         Literal["cap", "mask"],
@@ -255,7 +256,9 @@ class CheckpointConfig(Section):
         int, doc("checkpoints kept; `asyncrl replay retrain --step N` needs one from before step N", ge=1)
     ] = 2
     keep_versions: Annotated[int, doc("weight versions kept on shared storage", ge=2)] = 4
-    weights_dir: Annotated[str, doc("shared storage for weights; empty = <run dir>/weights")] = ""
+    weights_dir: Annotated[str, doc("Shared storage for weight versions; auto = <run dir>/weights.", min_length=1)] = (
+        AUTO
+    )
 
 
 class TrainerConfig(Section):
@@ -263,8 +266,9 @@ class TrainerConfig(Section):
 
     steps: Annotated[int, doc("optimizer steps; the run ends after the last one", ge=1)] = 600
     threads: Annotated[
-        int, doc("torch CPU threads of the trainer (of each rank); 0 = its share of the run's cores", ge=0)
-    ] = 0
+        Annotated[int, msgspec.Meta(ge=1)] | Auto,
+        doc("Torch CPU threads of each trainer rank; auto = its share of the launcher's cores (1 in a deployment)."),
+    ] = AUTO
     ranks: Annotated[
         int, doc("trainer processes on this machine, FSDP2 ranks under torchrun (gloo on CPU, NCCL on CUDA)", ge=1)
     ] = 1
@@ -408,7 +412,7 @@ class RunConfig(Section):
             )
         if self.data.system_prompt and self.data.template != "chat":
             raise ValueError("data.system_prompt needs data.template=chat (a raw prompt has no system turn)")
-        if self.rollout.backend == "vllm" and self.rollout.cache_lag:
+        if self.rollout.backend == "vllm" and self.rollout.cache_lag not in (0, AUTO):
             raise ValueError(
                 "rollout.cache_lag above 0 needs rollout.backend=torch (vLLM re-prefills a resumed request)"
             )

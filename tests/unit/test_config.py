@@ -121,6 +121,12 @@ def test_a_role_s_only_worker_reads_alone_under_asyncrl_run_only():
     assert sole(resolve(load_config(None, ["broker.sole_consumers=true"]))) is True
 
 
+def value_at(config, dotted: str):
+    for part in dotted.split("."):
+        config = getattr(config, part)
+    return config
+
+
 # Every name an older config may use, and the name to write now.
 OLD = {
     **{f"trainer.{name}": f"trainer.optim.{name}" for name in ("lr", "weight_decay", "grad_clip", "minibatches")},
@@ -189,3 +195,38 @@ def test_shipped_configs_run_by_name():
         assert config.data.task == name and config.name == name
     with pytest.raises(ConfigError, match="neither a config file nor a shipped config"):
         config_file("nosuch")
+
+
+OLD_SPELLINGS = {
+    "broker.fetch_wait_ms": "0",
+    "model.warmup_steps": "null",
+    "data.eval_source": "",
+    "rollout.max_new_tokens": "0",
+    "rollout.cache_lag": "null",
+    "rollout.threads": "0",
+    "trainer.threads": "0",
+    "trainer.loss.clip_eps_high": "0.0",
+    "trainer.checkpoint.weights_dir": "",
+}
+
+
+@pytest.mark.parametrize("name, old", OLD_SPELLINGS.items(), ids=list(OLD_SPELLINGS))
+def test_automatic_is_spelled_auto_and_an_old_spelling_is_one_line(name, old):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(name)}=.*: an automatic value is spelled {name}=auto$"):
+        load_config(None, [f"{name}={old}"])
+    assert value_at(load_config(None, [f"{name}=auto"]), name) == "auto"
+
+
+def test_a_zero_that_means_zero_stays_a_zero():
+    zeros = ["model.warmup_steps=0", "rollout.cache_lag=0", "rollout.top_k=0", "reward.processes=0", "eval.every=0"]
+    config = resolve(load_config(None, zeros))
+    assert (config.model.warmup_steps, config.rollout.cache_lag, config.reward.processes) == (0, 0, 0)
+
+
+def test_resolve_leaves_nothing_automatic():
+    for config in (load_config(), load_config(None, ["data.source=rows.jsonl", "data.reward=math", "model.path=m"])):
+        resolved = resolve(on_one_machine(config))
+        assert "'auto'" not in explain(resolved) and resolve(resolved) == resolved
+    assert resolved.data.eval_source == "none"
+    assert resolve(load_config()).data.eval_source == "builtin"
+    assert resolve(load_config(None, ["trainer.loss.clip_eps=0.3"])).trainer.loss.clip_eps_high == 0.3
