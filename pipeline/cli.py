@@ -35,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     prepare = commands.add_parser("prepare", help="make the model, topics and runs/<name>/config.yaml for a deployment")
     prepare.add_argument("config", nargs="?", help="YAML run config or a shipped one's name (default: arith)")
     prepare.add_argument("overrides", nargs="*", help="dotted overrides; broker.bootstrap is required")
+    prepare.add_argument(
+        "--embedded-broker",
+        action="store_true",
+        help="broker.bootstrap is an embedded broker (topics in memory): the trainer exports them before checkpoints",
+    )
 
     worker = commands.add_parser("worker", help="run one worker process (what compose and Slurm start)")
     worker.add_argument("role", choices=ROLES)
@@ -507,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return slurm_command(path, overrides, config, args)
         if args.command == "prepare":
-            return prepare_command(config)
+            return prepare_command(config, args.embedded_broker)
         if args.dry_run:
             config = resolve(on_one_machine(config))
             print(RUN_DIR_NOTE + (explain(config) if args.explain else to_yaml(config)), end="")
@@ -520,9 +525,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def prepare_command(config: RunConfig) -> int:
+def prepare_command(config: RunConfig, embedded_broker: bool) -> int:
     """`asyncrl prepare`: the model, topics and config.yaml of a deployment, on the broker its workers will use.
     A run directory with a checkpoint is a resumed deployment: a `resume` line for summary.json's resumed_from."""
+    import msgspec
+
     from pipeline.config import ConfigError
     from pipeline.launch import check_dataset, checkpoint_step, prepare
     from pipeline.monitor import note_start
@@ -530,7 +537,8 @@ def prepare_command(config: RunConfig) -> int:
     if not config.broker.bootstrap:
         raise ConfigError("prepare needs broker.bootstrap=HOST:PORT (the broker the workers will use)")
     check_dataset(config)
-    path = prepare(config, deployment=True)[1]
+    launcher = msgspec.structs.replace(config.launcher, embedded_broker=embedded_broker)
+    path = prepare(msgspec.structs.replace(config, launcher=launcher), deployment=True)[1]
     step = checkpoint_step(path.parent)
     if step is not None:
         note_start(path.parent, step)

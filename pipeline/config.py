@@ -111,6 +111,13 @@ def check_names(tree: dict[str, Any], where: str) -> None:
         for key, value in node.items():
             name = f"{prefix}{key}"
             section = schema.get(name, False)  # False: no field of that name
+            if name == "launcher":
+                raise ConfigError(
+                    f"launcher is what a launcher wrote into a run's config.yaml, never set by a config{where}: "
+                    "remove it (`asyncrl run --resume RUN_DIR` runs a run's config.yaml again)"
+                )
+            if name in LAUNCHER_OWNED:
+                raise ConfigError(f"{name} is the launcher's, not a config's{where}: {LAUNCHER_OWNED[name]}")
             if section and isinstance(value, dict):
                 walk(value, f"{name}.")
             elif section is None and name in OLD_AUTOMATIC and old_automatic(value, OLD_AUTOMATIC[name]):
@@ -119,6 +126,14 @@ def check_names(tree: dict[str, Any], where: str) -> None:
                 raise ConfigError(f"{name} was renamed: use {new}{where}")
 
     walk(tree, "")
+
+
+# Launcher state that older configs set: why a config cannot.
+LAUNCHER_OWNED = {
+    "cores": "`asyncrl run` shares its CPU affinity (start it under taskset for fewer, or set the threads)",
+    "broker.embedded": "`asyncrl run` sets it when it starts the broker; `asyncrl prepare --embedded-broker` says it",
+    "broker.sole_consumers": "true under `asyncrl run`, which starts every worker; false in a deployment",
+}
 
 
 def old_automatic(value: Any, spelling: Any) -> bool:
@@ -130,8 +145,9 @@ def yaml_scalar(value: Any) -> str:
     return yaml.safe_dump(value, default_style=None).removesuffix("\n...\n").strip()
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
-    """The config as written: defaults, then the YAML file, then the overrides (`resolve` fills in the rest)."""
+def load_config(path: str | Path | None = None, overrides: list[str] = (), *, from_launcher: bool = False) -> RunConfig:
+    """The config as written: defaults, then the YAML file, then the overrides (`resolve` fills in the rest).
+    `from_launcher`: `path` is a run's config.yaml, whose `launcher` section a launcher wrote."""
     tree: dict[str, Any] = {}
     if path is not None:
         try:
@@ -143,9 +159,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         tree = loaded or {}
+    launcher = tree.pop("launcher", None) if from_launcher else None
     check_names(tree, f" (in {path})")
     tree = apply_overrides(tree, list(overrides))
     check_names(tree, "")
+    if launcher is not None:
+        tree["launcher"] = launcher
     try:
         config = msgspec.convert(tree, RunConfig, strict=False)
     except msgspec.ValidationError as exc:
@@ -187,10 +206,8 @@ def resolve(config: RunConfig) -> RunConfig:
         data = replace(data, eval_source=automatic_eval_source(data))
     if broker.fetch_wait_ms == AUTO:
         broker = replace(broker, fetch_wait_ms=20 if trainer.max_staleness == 0 else 50)
-    if broker.sole_consumers is None:  # not `asyncrl run` (on_one_machine): a deployment, whose roles may scale
-        broker = replace(broker, sole_consumers=False)
     if AUTO in (trainer.threads, rollout.threads):
-        trainer_threads, rollout_threads = threads_on(config.cores, config)
+        trainer_threads, rollout_threads = threads_on(config.launcher.cores, config)
         trainer, rollout = replace(trainer, threads=trainer_threads), replace(rollout, threads=rollout_threads)
     if trainer.loss.clip_eps_high == AUTO:
         trainer = replace(trainer, loss=replace(trainer.loss, clip_eps_high=trainer.loss.clip_eps))
@@ -220,12 +237,12 @@ def derived_weights_dir(config: RunConfig) -> str:
 
 
 def on_one_machine(config: RunConfig) -> RunConfig:
-    """`asyncrl run`: every worker on the launcher's machine, sharing its cores (`cores`, unless given), and
-    started by the launcher alone, so a role's only worker need not join its consumer group
-    (`broker.sole_consumers`, unless given)."""
-    cores = config.cores or cores_here()
-    sole = True if config.broker.sole_consumers is None else config.broker.sole_consumers
-    return replace(config, cores=cores, broker=replace(config.broker, sole_consumers=sole))
+    """`asyncrl run`: every worker on the launcher's machine, sharing its cores, and started by the launcher
+    alone, so a role's only worker need not join its consumer group; no broker.bootstrap: the launcher starts
+    the embedded broker (a resumed run's config.yaml names the one it started)."""
+    embedded = config.launcher.embedded_broker or not config.broker.bootstrap
+    launcher = replace(config.launcher, cores=cores_here(), embedded_broker=embedded, sole_consumers=True)
+    return replace(config, launcher=launcher)
 
 
 def load_task_or_error(spec: str):

@@ -65,7 +65,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are processe
 def run_worker(role: str, config_path: str, overrides: list[str]) -> None:
     """The body of `asyncrl worker <role>`: run until done or SIGTERM. A bad config fails before the role's imports
     (torch and transformers: 2.5-4 CPU-seconds; a forked worker has them already)."""
-    config = load_config(config_path, overrides)
+    config = load_config(config_path, overrides, from_launcher=True)
     module = importlib.import_module(WORKER_MODULES[role])
     runtime.run_until_stopped(lambda stop: module.main(resolve(config), stop))
 
@@ -201,7 +201,7 @@ def prepare(config: RunConfig, progress: bool = True, deployment: bool = False) 
 
     Idempotent for deployments (compose, Slurm): a run directory that already has
     its config.yaml keeps it (and its model); the topics are ensured every time. A deployment's workers always
-    join their consumer groups (`broker.sole_consumers` false), whatever the config it was prepared from says.
+    join their consumer groups (`launcher.sole_consumers` false), whatever the config it was prepared from says.
     Returns the resolved config and its path.
     """
     from pipeline.preflight import check_workflow, preflight
@@ -211,7 +211,7 @@ def prepare(config: RunConfig, progress: bool = True, deployment: bool = False) 
     run_dir = Path(config.runs_dir).resolve() / config.name
     config_path = run_dir / "config.yaml"
     if config_path.exists():
-        config = load_config(config_path)
+        config = load_config(config_path, from_launcher=True)
     else:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         config = msgspec.structs.replace(config, runs_dir=str(run_dir.parent))
@@ -234,7 +234,9 @@ def prepare(config: RunConfig, progress: bool = True, deployment: bool = False) 
         config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=str(model_dir)))
     config = resolve(config)
     if deployment:  # its workers of a role may be scaled: each joins the role's consumer group
-        config = msgspec.structs.replace(config, broker=msgspec.structs.replace(config.broker, sole_consumers=False))
+        config = msgspec.structs.replace(
+            config, launcher=msgspec.structs.replace(config.launcher, sole_consumers=False)
+        )
     preflight(config)  # what would crash-loop the workers, as one line with the fix, before any starts
     create_key(run_dir)  # once: the trainer signs every weight announcement with it (workers.announce)
     layout = runtime.topic_layout(config)  # every time: a broker may have lost its topics
@@ -386,7 +388,7 @@ class LocalRun:
 
         if self.config.model.device == "cpu":  # a CUDA driver touched before a fork is unusable in the child
             self.start_fork_server(evaluates=eval_rows is not None)
-        if not self.config.broker.bootstrap or self.config.broker.embedded:  # embedded: a config.yaml run again
+        if self.config.launcher.embedded_broker:  # `on_one_machine`: none given, or a config.yaml run again
             self.start_broker(stops)
         self.config, self.config_path = prepare(self.config, progress)
         link_latest(self.run_dir)
@@ -455,7 +457,7 @@ class LocalRun:
         with StopSignals.held():  # a stop inside its Popen would leave it running unrecorded
             self.broker = EmbeddedBroker(self.run_dir / "broker.log").start()
         stops.watch(self.broker)
-        broker = msgspec.structs.replace(self.config.broker, bootstrap=self.broker.bootstrap, embedded=True)
+        broker = msgspec.structs.replace(self.config.broker, bootstrap=self.broker.bootstrap)
         self.config = msgspec.structs.replace(self.config, broker=broker)
         if self.resumed_from is not None:
             import_run_topics(self.config)
@@ -506,13 +508,13 @@ def resumable(run_dir: Path) -> tuple[RunConfig, int]:
     nothing to resume from."""
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{run_dir} has no config.yaml: not a run directory, or one stopped before it started")
-    config = load_config(run_dir / "config.yaml")
+    config = load_config(run_dir / "config.yaml", from_launcher=True)
     if runtime.run_dir(config).resolve() != run_dir.resolve():
         raise ConfigError(f"{run_dir} is not where its config.yaml puts the run ({runtime.run_dir(config)})")
     step = checkpoint_step(run_dir)
     if step is None:
         raise ConfigError(f"{run_dir} has no trainer checkpoint to resume from; start the run again")
-    if config.broker.embedded and not runtime.topics_export_path(config).is_file():
+    if config.launcher.embedded_broker and not runtime.topics_export_path(config).is_file():
         raise ConfigError(f"{run_dir} has no topics.export: the topics of its embedded broker are lost")
     return config, step
 

@@ -27,25 +27,6 @@ class BrokerConfig(Section):
     bootstrap: Annotated[str, doc("Kafka bootstrap HOST:PORT; empty = start the embedded Tansu broker")] = ""
     topic_prefix: Annotated[str, doc("prefix for every topic name, to share one broker between runs")] = ""
     partitions: Annotated[int, doc("partitions of prompts/segments/scored (weights always has 1)", ge=1)] = 1
-    embedded: Annotated[
-        bool,
-        doc(
-            "set by `asyncrl run` when it started the embedded broker, which keeps topics in memory only: the "
-            "trainer then appends them to <run dir>/topics.export before each checkpoint, and `asyncrl run --resume` "
-            "loads them into a new broker"
-        ),
-    ] = False
-    sole_consumers: Annotated[
-        bool | None,
-        doc(
-            "a role with one worker (the reward worker; the rollout worker with rollout.workers=1) reads every "
-            "partition of its topic without joining its consumer group, committing its offsets there all the same: "
-            "no group join to wait for (3 s on Tansu) at each start or restart. Right only where nothing else "
-            "starts workers of the run's roles; empty (null) = true under `asyncrl run`, which starts them all, "
-            "false otherwise; `asyncrl prepare` (docker compose, Slurm) always sets false: a deployment's workers "
-            "may be scaled"
-        ),
-    ] = None
     fetch_wait_ms: Annotated[
         Annotated[int, msgspec.Meta(ge=1)] | Auto,
         doc(
@@ -370,21 +351,39 @@ class ProfileConfig(Section):
     with_stack: Annotated[bool, doc("also record the Python stack of each op (a much larger trace)")] = False
 
 
+class LauncherState(Section):
+    """What the launcher found and did, written into a run's config.yaml for its workers. Never set by a config:
+    `pipeline.config.load_config` refuses it from a file or an override."""
+
+    cores: Annotated[
+        int,
+        doc(
+            "Cores the workers of `asyncrl run` share on its machine (its CPU affinity), split into automatic "
+            "threads; 0 = a deployment, where each replica's cores are its own.",
+            ge=0,
+        ),
+    ] = 0
+    embedded_broker: Annotated[
+        bool,
+        doc(
+            "The run's broker is the embedded one, whose topics live in memory only: the trainer exports them "
+            "before each checkpoint, for `asyncrl run --resume`."
+        ),
+    ] = False
+    sole_consumers: Annotated[
+        bool,
+        doc(
+            "A role's only worker reads every partition without joining its consumer group: true under "
+            "`asyncrl run`, which starts every worker; false in a deployment, whose workers may be scaled."
+        ),
+    ] = False
+
+
 class RunConfig(Section):
     name: Annotated[str, doc("run name: the run directory is <runs_dir>/<name>", min_length=1)] = "demo"
     runs_dir: Annotated[str, doc("where run directories are created")] = "runs"
     seed: Annotated[int, doc("seed for data order, sampling and the demo model")] = 0
     max_wall_s: Annotated[float, doc("stop the run after this many seconds; 0 = no limit", ge=0)] = 0.0
-    cores: Annotated[
-        int,
-        doc(
-            "cores the run's trainer and rollout workers share on one machine; `asyncrl run` sets them to the "
-            "launcher's (its affinity): threads 0 are split from them, and with trainer.borrow_cores a core a "
-            "rollout worker leaves idle is lent to the trainer for a step at a time; 0 = a deployment (compose, "
-            "Slurm, workers on several machines): threads 0 become 1 and nothing is lent",
-            ge=0,
-        ),
-    ] = 0
     broker: BrokerConfig = BrokerConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -394,6 +393,7 @@ class RunConfig(Section):
     eval: EvalConfig = EvalConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     profile: ProfileConfig = ProfileConfig()
+    launcher: LauncherState = LauncherState()
 
     def __post_init__(self) -> None:
         if "/" in self.name or self.name in {".", "..", "latest"}:

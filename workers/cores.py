@@ -134,8 +134,9 @@ def ledger_for(config: RunConfig, run_dir: Path) -> CoreLedger | None:
     workers on several machines (`cores` 0), trainer ranks that must stay in step (more than one), or more
     threads than cores to begin with."""
     trainer, rollout = config.trainer, config.rollout
-    if not (trainer.borrow_cores and config.cores) or trainer.ranks > 1:
+    cores = config.launcher.cores
+    if not (trainer.borrow_cores and cores) or trainer.ranks > 1:
         return None
-    if trainer.threads + rollout.workers * rollout.threads > config.cores:
+    if trainer.threads + rollout.workers * rollout.threads > cores:
         return None
-    return CoreLedger(run_dir / "cores" / socket.gethostname(), config.cores)
+    return CoreLedger(run_dir / "cores" / socket.gethostname(), cores)

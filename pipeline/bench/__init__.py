@@ -85,7 +85,7 @@ def cores_given(config: RunConfig, cpu_count: int | None, usable_cores: int) -> 
     on `usable_cores`) and what the machine has: a run's demand vs supply."""
     from pipeline.config import threads_on
 
-    trainer, rollout = threads_on(config.cores or usable_cores, config)
+    trainer, rollout = threads_on(usable_cores, config)
     roles = {
         "rollout": {"processes": config.rollout.workers, "threads": rollout},
         "trainer": {"processes": config.trainer.ranks, "threads": trainer},

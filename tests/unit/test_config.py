@@ -30,7 +30,7 @@ def test_overrides_are_typed():
 def test_round_trip_through_yaml(tmp_path):
     config = load_config(None, ["name=x", "trainer.steps=7"])
     save_config(config, tmp_path / "c.yaml")
-    assert load_config(tmp_path / "c.yaml") == config
+    assert load_config(tmp_path / "c.yaml", from_launcher=True) == config
 
 
 @pytest.mark.parametrize(
@@ -114,11 +114,29 @@ def test_fetch_wait_follows_the_staleness_bound_unless_set():
 
 
 def test_a_role_s_only_worker_reads_alone_under_asyncrl_run_only():
-    sole = lambda config: config.broker.sole_consumers  # noqa: E731
-    assert sole(resolve(on_one_machine(load_config(None, [])))) is True  # the launcher starts every worker
-    assert sole(resolve(on_one_machine(load_config(None, ["broker.sole_consumers=false"])))) is False
-    assert sole(resolve(load_config(None, []))) is False  # compose or Slurm: a role's workers may be scaled
-    assert sole(resolve(load_config(None, ["broker.sole_consumers=true"]))) is True
+    assert resolve(on_one_machine(load_config())).launcher.sole_consumers is True  # the launcher starts every worker
+    assert resolve(load_config()).launcher.sole_consumers is False  # compose or Slurm: a role's workers may scale
+
+
+@pytest.mark.parametrize("name", ["cores=2", "broker.embedded=true", "broker.sole_consumers=false"])
+def test_launcher_state_given_by_a_config_is_one_line_saying_whose_it_is(tmp_path, name):
+    key = name.partition("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)} is the launcher's, not a config's: "):
+        load_config(None, [name])
+    path = tmp_path / "c.yaml"
+    path.write_text("launcher: {cores: 2}\n")
+    with pytest.raises(ConfigError, match=r"^launcher is what a launcher wrote into a run's config.yaml"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"^launcher is what a launcher wrote"):
+        load_config(None, ["launcher.sole_consumers=true"])
+
+
+def test_a_run_s_config_yaml_keeps_what_the_launcher_wrote(tmp_path):
+    config = resolve(on_one_machine(load_config(None, [f"runs_dir={tmp_path}"])))
+    save_config(config, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml", from_launcher=True) == config
+    with pytest.raises(ConfigError, match=r"^launcher is what a launcher wrote"):  # overrides are a config's
+        load_config(tmp_path / "config.yaml", ["launcher.sole_consumers=false"], from_launcher=True)
 
 
 def value_at(config, dotted: str):

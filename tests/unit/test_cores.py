@@ -11,8 +11,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from msgspec.structs import replace
 
 from pipeline.config import load_config, on_one_machine, resolve
+from schemas.config import LauncherState
 from workers.cores import CoreLedger, ledger_for, lower_priority, restore_priority, split_cores
 
 
@@ -45,13 +47,17 @@ def test_given_threads_are_kept_and_the_other_role_gets_the_rest(cores, given, e
     assert split_cores(*cores, *given) == expected
 
 
-def test_threads_0_are_resolved_from_the_runs_cores_and_given_ones_kept():
-    config = resolve(load_config(None, ["cores=6", "rollout.workers=2", "broker.partitions=2"]))
+def on_cores(cores: int, *overrides: str):
+    """A resolved config whose launcher has `cores` (0: a deployment)."""
+    return resolve(replace(load_config(None, list(overrides)), launcher=LauncherState(cores=cores)))
+
+
+def test_automatic_threads_are_resolved_from_the_launcher_s_cores_and_given_ones_kept():
+    config = on_cores(6, "rollout.workers=2", "broker.partitions=2")
     assert (config.trainer.threads, config.rollout.threads) == (2, 2)
-    config = resolve(load_config(None, ["cores=6", "trainer.threads=1"]))
+    config = on_cores(6, "trainer.threads=1")
     assert (config.trainer.threads, config.rollout.threads) == (1, 5)  # the rest to the other role
-    assert on_one_machine(load_config(None, ["cores=5"])).cores == 5  # given: kept
-    assert on_one_machine(load_config(None, [])).cores == len(os.sched_getaffinity(0))  # asyncrl run: the launcher's
+    assert on_one_machine(load_config()).launcher.cores == len(os.sched_getaffinity(0))  # asyncrl run: its own
     deployment = resolve(load_config(None, []))  # cores 0: compose or Slurm replicas, whose cores are unknown here
     assert (deployment.trainer.threads, deployment.rollout.threads) == (1, 1)
 
@@ -110,17 +116,17 @@ def test_the_trainer_borrows_nothing_while_a_rollout_worker_waits_for_its_core(t
 
 
 @pytest.mark.parametrize(
-    ("overrides", "lent"),
+    ("cores", "overrides", "lent"),
     [
-        (["cores=2", "trainer.borrow_cores=true"], True),
-        (["cores=2"], False),  # not asked for
-        (["cores=0", "trainer.borrow_cores=true"], False),  # workers on several machines
-        (["cores=2", "trainer.borrow_cores=true", "trainer.ranks=2"], False),  # ranks step together
-        (["cores=2", "trainer.borrow_cores=true", "trainer.threads=2"], False),  # 3 threads on 2 cores at once
+        (2, ["trainer.borrow_cores=true"], True),
+        (2, [], False),  # not asked for
+        (0, ["trainer.borrow_cores=true"], False),  # workers on several machines
+        (2, ["trainer.borrow_cores=true", "trainer.ranks=2"], False),  # ranks step together
+        (2, ["trainer.borrow_cores=true", "trainer.threads=2"], False),  # 3 threads on 2 cores at once
     ],
 )
-def test_cores_are_lent_only_on_one_machine_to_one_rank_within_the_cores(tmp_path: Path, overrides, lent):
-    ledger = ledger_for(resolve(load_config(None, overrides)), tmp_path)
+def test_cores_are_lent_only_on_one_machine_to_one_rank_within_the_cores(tmp_path: Path, cores, overrides, lent):
+    ledger = ledger_for(on_cores(cores, *overrides), tmp_path)
     assert (ledger is not None) == lent
 
 

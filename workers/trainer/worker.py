@@ -156,7 +156,9 @@ class Lead:
         self.key = load_key(ctx.run_dir)  # signs every announcement (workers.announce); None: the run has no key
         self.cores = ledger_for(ctx.config, ctx.run_dir)  # None: the trainer keeps trainer.threads throughout
         if self.cores is not None and self.cores.take(self.cfg.threads) < self.cfg.threads:
-            ctx.log.warning("fewer free cores than trainer.threads: another process holds them", cores=ctx.config.cores)
+            ctx.log.warning(
+                "fewer free cores than trainer.threads: another process holds them", cores=ctx.config.launcher.cores
+            )
 
     async def next_batch(self) -> tuple[list[Group], BatchManifest | None]:
         """A recorded step to redo once its groups are all here, else a new batch (empty while not ready)."""
@@ -290,7 +292,7 @@ class Lead:
         manifests, the `scored` offsets, the weights announcements); one whose export fails is skipped."""
         st, config = self.state, self.ctx.config
         await self.published()  # the export below then holds the announcement of the version saved
-        if config.broker.embedded:
+        if config.launcher.embedded_broker:
             try:
                 prefix = config.broker.topic_prefix
                 await append_export(config.broker.bootstrap, runtime.topics_export_path(config), prefix)
