@@ -30,8 +30,8 @@ class BrokerConfig(Section):
     fetch_wait_ms: Annotated[
         Annotated[int, msgspec.Meta(ge=1)] | Auto,
         doc(
-            "Longest a worker's fetch waits at the broker for new records; auto = 20 when trainer.max_staleness "
-            "is 0, else 50. (docs: Reference, Broker fetch wait)"
+            "longest a worker's fetch waits at the broker for new records; auto = 20 when trainer.max_staleness is 0 "
+            "(every hop on a synchronous step's path), else 50 (docs: Running a pipeline)"
         ),
     ] = AUTO
 
@@ -49,8 +49,8 @@ class ModelConfig(Section):
     warmup_steps: Annotated[
         Annotated[int, msgspec.Meta(ge=0)] | Auto,
         doc(
-            "Demo model only: at most this many supervised warm-up steps, stopping earlier at the task's target; "
-            "0 = none (a random model), auto = the task's own cap."
+            "demo model only: at most this many supervised warm-up steps, fewer once the task's target is reached; 0 ="
+            " none (a random model), auto = the task's own cap"
         ),
     ] = AUTO
 
@@ -59,9 +59,8 @@ class DataConfig(Section):
     task: Annotated[
         str,
         doc(
-            "the task: 'arith' (the demo), 'chain' (long chains of thought), 'code' (programs run against tests), "
-            "path/to/file.py:Class or module:Class (a subclass of workers.tasks.Task): its rows, verifier, demo "
-            "model and defaults"
+            "'arith' (the demo), 'chain' (long chains of thought), 'code' (programs run against tests), or your own "
+            "Task subclass as path/to/file.py:Class or module:Class (docs: Tasks and rewards)"
         ),
     ] = "arith"
     source: Annotated[
@@ -70,15 +69,15 @@ class DataConfig(Section):
     reward: Annotated[
         str,
         doc(
-            "'builtin' (the task's verifier), 'math' (math-verify), 'code' (the row's tests run in the sandbox), "
-            "or your own function as path/to/file.py:function or module:function"
+            "'builtin' (the task's verifier), 'math' (math-verify), 'code' (the row's tests in the sandbox), or your "
+            "own function as path/to/file.py:fn or module:fn (docs: Tasks and rewards)"
         ),
     ] = "builtin"
     eval_source: Annotated[
         str,
         doc(
-            "Held-out rows scored during and after training: a JSONL or Parquet file (prompt/answer), 'builtin' "
-            "(the task's held-out split) or 'none'; auto = 'builtin' when data.source is 'builtin', else 'none'."
+            "held-out rows scored during and after training: a JSONL or Parquet file (prompt/answer), 'builtin' (the "
+            "task's held-out split) or 'none'; auto = 'builtin' for the task's own rows, else 'none'"
         ),
     ] = AUTO
     template: Annotated[
@@ -98,19 +97,19 @@ class RolloutConfig(Section):
     top_p: Annotated[float, doc("nucleus sampling mass", gt=0, le=1)] = 1.0
     top_k: Annotated[int, doc("sample among the k most likely tokens; 0 = off", ge=0)] = 0
     max_new_tokens: Annotated[
-        Annotated[int, msgspec.Meta(ge=1)] | Auto, doc("Completion length limit; auto = the task's default.")
+        Annotated[int, msgspec.Meta(ge=1)] | Auto, doc("completion length limit; auto = the task's default")
     ] = AUTO
     interrupt: Annotated[bool, doc("interrupt in-flight sequences when new weights arrive")] = True
     cache_lag: Annotated[
         Annotated[int, msgspec.Meta(ge=0)] | Auto,
         doc(
-            "Versions a running sequence's KV cache may lag the weights before an interruption re-prefills it: 0 = "
-            "always (AReaL), large = never (PipelineRL); auto = 1 on torch, 0 on vLLM. (docs: Concepts, Interruption)"
+            "versions a running sequence's KV cache may lag the weights before an interruption recomputes it: 0 = "
+            "always (AReaL), large = never (PipelineRL); auto = 1 on torch, 0 on vLLM (docs: Concepts)"
         ),
     ] = AUTO
     threads: Annotated[
         Annotated[int, msgspec.Meta(ge=1)] | Auto,
-        doc("Torch CPU threads of each rollout worker; auto = its share of the launcher's cores (1 in a deployment)."),
+        doc("torch CPU threads of each rollout worker; auto = its share of the launcher's cores (1 in a deployment)"),
     ] = AUTO
     backend: Annotated[
         Literal["torch", "vllm"],
@@ -119,9 +118,8 @@ class RolloutConfig(Section):
     workflow: Annotated[
         str,
         doc(
-            "multi-turn rollouts: '' = one turn; 'python' = the model's `[code]` calls run in the sandbox and their "
-            "output follows (not trained on); or path/to/file.py:Class, a subclass of "
-            "workers.rollout.workflow.Workflow"
+            "multi-turn rollouts: '' = one turn; 'python' = the model's `[code]` calls run in the sandbox, their "
+            "output following untrained; or your own Workflow as path/to/file.py:Class (docs: Multi-turn tools)"
         ),
     ] = ""
 
@@ -130,18 +128,16 @@ class RewardConfig(Section):
     processes: Annotated[
         int,
         doc(
-            "size of the scoring process pool; 0 = the task's own verifier (data.reward 'builtin') scores in the "
-            "reward worker itself, with no time limit and no isolation, for a fast one you trust not to hang or "
-            "crash (the shipped arith and chain tasks'); any other reward function then gets a pool of one",
+            "size of the scoring process pool; 0 = the 'builtin' verifier scores in the reward worker itself, without "
+            "time limit or isolation (a fast one you trust), any other function in a pool of one",
             ge=0,
         ),
     ] = 1
     max_processes: Annotated[
         int,
         doc(
-            "while a call runs longer than a quarter of timeout_s (it may be hung), the calls waiting behind it "
-            "get spare scoring processes, up to this many processes in all (spares end when no call waits), so "
-            "hung calls time out together; at most reward.processes are kept otherwise",
+            "most scoring processes at once: calls waiting behind one that may hang (past a quarter of timeout_s) get "
+            "spare processes up to this many, so hung calls time out together (docs: Promises)",
             ge=1,
         ),
     ] = 8
@@ -186,7 +182,7 @@ class LossConfig(Section):
     clip_eps: Annotated[float, doc("PPO ratio clip epsilon", gt=0, lt=1)] = 0.2
     clip_eps_high: Annotated[
         Annotated[float, msgspec.Meta(gt=0)] | Auto,
-        doc("Upper ratio clip epsilon (clip-higher): clip(r, 1-clip_eps, 1+clip_eps_high); auto = clip_eps."),
+        doc("upper ratio clip epsilon (clip-higher): clip(r, 1-clip_eps, 1+clip_eps_high); auto = clip_eps"),
     ] = AUTO
     behaviour_weight_cap: Annotated[float, doc("cap on the behaviour weight pi_prox/pi_behav; 0 = no cap", ge=0)] = 0.0
     behaviour_weight_mode: Annotated[
@@ -237,7 +233,7 @@ class CheckpointConfig(Section):
         int, doc("checkpoints kept; `asyncrl replay retrain --step N` needs one from before step N", ge=1)
     ] = 2
     keep_versions: Annotated[int, doc("weight versions kept on shared storage", ge=2)] = 4
-    weights_dir: Annotated[str, doc("Shared storage for weight versions; auto = <run dir>/weights.", min_length=1)] = (
+    weights_dir: Annotated[str, doc("shared storage for weight versions; auto = <run dir>/weights", min_length=1)] = (
         AUTO
     )
 
@@ -248,7 +244,7 @@ class TrainerConfig(Section):
     steps: Annotated[int, doc("optimizer steps; the run ends after the last one", ge=1)] = 600
     threads: Annotated[
         Annotated[int, msgspec.Meta(ge=1)] | Auto,
-        doc("Torch CPU threads of each trainer rank; auto = its share of the launcher's cores (1 in a deployment)."),
+        doc("torch CPU threads of each trainer rank; auto = its share of the launcher's cores (1 in a deployment)"),
     ] = AUTO
     ranks: Annotated[
         int, doc("trainer processes on this machine, FSDP2 ranks under torchrun (gloo on CPU, NCCL on CUDA)", ge=1)
@@ -265,19 +261,16 @@ class TrainerConfig(Section):
     max_in_flight: Annotated[
         int,
         doc(
-            "groups released and not yet trained or dropped, at most (a cap under eta's (eta + 1) * B): groups "
-            "released beyond what the rollout workers can decode wait in a queue, spending their eta versions "
-            "there; 0 = no cap beyond eta's",
+            "most groups released and not yet trained or dropped, under eta's cap of (eta + 1) * B: groups beyond what"
+            " rollout decodes wait in a queue, spending their eta versions; 0 = eta's cap (docs: Concepts)",
             ge=0,
         ),
     ] = 0
     skip_uniform_groups: Annotated[
         int,
         doc(
-            "per step, drop up to this many complete groups whose samples all got the same reward (no advantage) "
-            "and train on later ones instead, so the batch carries more signal (DAPO's dynamic sampling); the "
-            "prompt source releases a group in place of each one dropped, and one version's worth of the recent "
-            "drops ahead of them; the cap bounds the extra generation once most groups are solved; 0 = off",
+            "per step, drop up to this many groups whose samples all got the same reward (no advantage) and train on "
+            "later ones instead (DAPO's dynamic sampling); 0 = off (docs: Concepts)",
             ge=0,
         ),
     ] = 0
@@ -358,23 +351,23 @@ class LauncherState(Section):
     cores: Annotated[
         int,
         doc(
-            "Cores the workers of `asyncrl run` share on its machine (its CPU affinity), split into automatic "
-            "threads; 0 = a deployment, where each replica's cores are its own.",
+            "cores the workers of `asyncrl run` share on its machine (its CPU affinity), split into automatic threads;"
+            " 0 = a deployment, where each replica's cores are its own",
             ge=0,
         ),
     ] = 0
     embedded_broker: Annotated[
         bool,
         doc(
-            "The run's broker is the embedded one, whose topics live in memory only: the trainer exports them "
-            "before each checkpoint, for `asyncrl run --resume`."
+            "the run's broker is the embedded one, whose topics live in memory only: the trainer exports them before "
+            "each checkpoint for `asyncrl run --resume`"
         ),
     ] = False
     sole_consumers: Annotated[
         bool,
         doc(
-            "A role's only worker reads every partition without joining its consumer group: true under "
-            "`asyncrl run`, which starts every worker; false in a deployment, whose workers may be scaled."
+            "a role's only worker reads every partition without joining its consumer group: true under `asyncrl run`, "
+            "which starts every worker, false in a deployment (whose workers may scale)"
         ),
     ] = False
 
@@ -400,7 +393,8 @@ class RunConfig(Section):
             raise ValueError(f"name {self.name!r} must be a plain directory name other than 'latest'")
         if self.data.reward not in {"builtin", "math", "code"} and ":" not in self.data.reward:
             raise ValueError(
-                f"data.reward {self.data.reward!r}: use builtin, math, code, path/to/file.py:function or module:function"
+                f"data.reward {self.data.reward!r}: use builtin, math, code, path/to/file.py:function "
+                "or module:function"
             )
         if self.data.source != "builtin" and self.data.reward == "builtin":
             raise ValueError(

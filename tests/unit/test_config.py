@@ -84,9 +84,13 @@ def test_bad_yaml_file_is_named(tmp_path):
         load_config(tmp_path / "missing.yaml")
 
 
-def test_every_field_is_described():
+def test_every_field_is_described_in_one_or_two_sentences():
+    """Longer explanations belong in the docs, which a description names as `(docs: Page)`."""
     for line in explain(load_config()).splitlines():
-        assert line.split("# ", 1)[1].strip(), f"undocumented field: {line}"
+        description = line.split("# ", 1)[1].strip()
+        assert description, f"undocumented field: {line}"
+        assert len(description) <= 200, f"over 200 characters: {line}"
+        assert len(re.findall(r"[.!?]\s+[A-Z]", description)) <= 1, f"over two sentences: {line}"
 
 
 def test_dry_run_shows_the_values_that_run(capsys, tmp_path):
