@@ -1,4 +1,8 @@
-"""Load a RunConfig from YAML plus dotted `key=value` overrides, with clear errors."""
+"""Load a RunConfig from YAML plus dotted `key=value` overrides, with clear errors; `resolve` it.
+
+What an older config wrote (a renamed field, 0 or null for an automatic value, the launcher's state) is a
+one-line error saying what to write now, before anything starts.
+"""
 
 from __future__ import annotations
 
@@ -47,7 +51,7 @@ RENAMED = {
 }
 
 
-# What older configs wrote for an automatic value, now spelled "auto" (elsewhere 0 stays a real zero).
+# What older configs wrote for an automatic value, which is spelled "auto" (a 0 elsewhere is a real zero).
 OLD_AUTOMATIC: dict[str, Any] = {
     "broker.fetch_wait_ms": 0,
     "model.warmup_steps": None,
@@ -58,6 +62,14 @@ OLD_AUTOMATIC: dict[str, Any] = {
     "trainer.threads": 0,
     "trainer.loss.clip_eps_high": 0,
     "trainer.checkpoint.weights_dir": "",
+}
+
+
+# The launcher's state that older configs set, and why a config cannot (the launcher writes `launcher`).
+LAUNCHER_OWNED = {
+    "cores": "`asyncrl run` shares its CPU affinity (start it under taskset for fewer, or set the threads)",
+    "broker.embedded": "`asyncrl run` sets it when it starts the broker; `asyncrl prepare --embedded-broker` says it",
+    "broker.sole_consumers": "true under `asyncrl run`, which starts every worker; false in a deployment",
 }
 
 
@@ -120,20 +132,13 @@ def check_names(tree: dict[str, Any], where: str) -> None:
                 raise ConfigError(f"{name} is the launcher's, not a config's{where}: {LAUNCHER_OWNED[name]}")
             if section and isinstance(value, dict):
                 walk(value, f"{name}.")
-            elif section is None and name in OLD_AUTOMATIC and old_automatic(value, OLD_AUTOMATIC[name]):
-                raise ConfigError(f"{name}={yaml_scalar(value)}: an automatic value is spelled {name}=auto{where}")
-            elif section is not None and (new := moved_to(name)) is not None:
+            elif section is None:  # a value's field
+                if name in OLD_AUTOMATIC and old_automatic(value, OLD_AUTOMATIC[name]):
+                    raise ConfigError(f"{name}={yaml_scalar(value)}: an automatic value is spelled {name}=auto{where}")
+            elif (new := moved_to(name)) is not None:  # no such field, or a section given a value
                 raise ConfigError(f"{name} was renamed: use {new}{where}")
 
     walk(tree, "")
-
-
-# Launcher state that older configs set: why a config cannot.
-LAUNCHER_OWNED = {
-    "cores": "`asyncrl run` shares its CPU affinity (start it under taskset for fewer, or set the threads)",
-    "broker.embedded": "`asyncrl run` sets it when it starts the broker; `asyncrl prepare --embedded-broker` says it",
-    "broker.sole_consumers": "true under `asyncrl run`, which starts every worker; false in a deployment",
-}
 
 
 def old_automatic(value: Any, spelling: Any) -> bool:
