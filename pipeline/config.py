@@ -124,10 +124,7 @@ def check_names(tree: dict[str, Any], where: str) -> None:
             name = f"{prefix}{key}"
             section = schema.get(name, False)  # False: no field of that name
             if name == "launcher":
-                raise ConfigError(
-                    f"launcher is what a launcher wrote into a run's config.yaml, never set by a config{where}: "
-                    "remove it (`asyncrl run --resume RUN_DIR` runs a run's config.yaml again)"
-                )
+                raise ConfigError("launcher is what a launcher writes into a run's config.yaml, never an override")
             if name in LAUNCHER_OWNED:
                 raise ConfigError(f"{name} is the launcher's, not a config's{where}: {LAUNCHER_OWNED[name]}")
             if section and isinstance(value, dict):
@@ -150,9 +147,10 @@ def yaml_scalar(value: Any) -> str:
     return yaml.safe_dump(value, default_style=None).removesuffix("\n...\n").strip()
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (), *, from_launcher: bool = False) -> RunConfig:
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
     """The config as written: defaults, then the YAML file, then the overrides (`resolve` fills in the rest).
-    `from_launcher`: `path` is a run's config.yaml, whose `launcher` section a launcher wrote."""
+    A file's `launcher` section is what a launcher wrote into a run's config.yaml (`on_one_machine` and
+    `prepare` write it anew); an override cannot set it."""
     tree: dict[str, Any] = {}
     if path is not None:
         try:
@@ -164,7 +162,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), *, fr
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         tree = loaded or {}
-    launcher = tree.pop("launcher", None) if from_launcher else None
+    launcher = tree.pop("launcher", None)
     check_names(tree, f" (in {path})")
     tree = apply_overrides(tree, list(overrides))
     check_names(tree, "")

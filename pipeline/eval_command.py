@@ -79,7 +79,7 @@ def run_config(run_dir: str) -> RunConfig:
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise ConfigError(f"--run {run_dir}: no config.yaml there (a run directory is runs/<name>)")
-    return load_config(path, from_launcher=True)
+    return load_config(path)
 
 
 def model_dir(path: str) -> str:

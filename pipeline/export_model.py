@@ -31,7 +31,7 @@ def run_config(run_dir: Path) -> RunConfig:
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise ConfigError(f"{run_dir} has no config.yaml: not a run directory (runs/<name>-<time>)")
-    return load_config(path, from_launcher=True)
+    return load_config(path)
 
 
 def on_disk(configured: str, fallback: Path) -> Path:

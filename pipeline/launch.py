@@ -65,7 +65,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are processe
 def run_worker(role: str, config_path: str, overrides: list[str]) -> None:
     """The body of `asyncrl worker <role>`: run until done or SIGTERM. A bad config fails before the role's imports
     (torch and transformers: 2.5-4 CPU-seconds; a forked worker has them already)."""
-    config = load_config(config_path, overrides, from_launcher=True)
+    config = load_config(config_path, overrides)
     module = importlib.import_module(WORKER_MODULES[role])
     runtime.run_until_stopped(lambda stop: module.main(resolve(config), stop))
 
@@ -211,10 +211,14 @@ def prepare(config: RunConfig, progress: bool = True, deployment: bool = False) 
     run_dir = Path(config.runs_dir).resolve() / config.name
     config_path = run_dir / "config.yaml"
     if config_path.exists():
-        config = load_config(config_path, from_launcher=True)
+        config = load_config(config_path)
     else:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         config = msgspec.structs.replace(config, runs_dir=str(run_dir.parent))
+    if deployment:  # its workers of a role may be scaled: each joins the role's consumer group
+        config = msgspec.structs.replace(
+            config, launcher=msgspec.structs.replace(config.launcher, cores=0, sole_consumers=False)
+        )
     config = resolve(config)  # the task's defaults (warm-up steps) before the demo model is built
     check_workflow(config)
     if not config.model.path:
@@ -233,10 +237,6 @@ def prepare(config: RunConfig, progress: bool = True, deployment: bool = False) 
         )
         config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=str(model_dir)))
     config = resolve(config)
-    if deployment:  # its workers of a role may be scaled: each joins the role's consumer group
-        config = msgspec.structs.replace(
-            config, launcher=msgspec.structs.replace(config.launcher, sole_consumers=False)
-        )
     preflight(config)  # what would crash-loop the workers, as one line with the fix, before any starts
     create_key(run_dir)  # once: the trainer signs every weight announcement with it (workers.announce)
     layout = runtime.topic_layout(config)  # every time: a broker may have lost its topics
@@ -508,7 +508,7 @@ def resumable(run_dir: Path) -> tuple[RunConfig, int]:
     nothing to resume from."""
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{run_dir} has no config.yaml: not a run directory, or one stopped before it started")
-    config = load_config(run_dir / "config.yaml", from_launcher=True)
+    config = load_config(run_dir / "config.yaml")
     if runtime.run_dir(config).resolve() != run_dir.resolve():
         raise ConfigError(f"{run_dir} is not where its config.yaml puts the run ({runtime.run_dir(config)})")
     step = checkpoint_step(run_dir)

@@ -528,7 +528,7 @@ def _broker_of(args: argparse.Namespace) -> tuple[str, str, RunConfig | None]:
 
 
 def _config_of(args: argparse.Namespace) -> RunConfig | None:
-    return load_config(args.config, from_launcher=True) if args.config else None
+    return load_config(args.config) if args.config else None
 
 
 def _counts(counts: dict[str, int]) -> str:

@@ -345,8 +345,9 @@ class ProfileConfig(Section):
 
 
 class LauncherState(Section):
-    """What the launcher found and did, written into a run's config.yaml for its workers. Never set by a config:
-    `pipeline.config.load_config` refuses it from a file or an override."""
+    """What the launcher found and did, written into a run's config.yaml for its workers. Never set by a user:
+    an override of it is refused (`pipeline.config.load_config`), and a launcher running a config writes it
+    anew (`on_one_machine`, `prepare`), a run's config.yaml given again included."""
 
     cores: Annotated[
         int,

@@ -421,7 +421,7 @@ def assert_placed(run_dir: Path, jobs: int) -> None:
 def one_process_differences(run_dir: Path, export: Path, steps: int, elsewhere: Path) -> dict[str, float]:
     """Per tensor, the run's final weights against one process that trained the batches the run recorded,
     from the initial weights (`asyncrl replay retrain`'s code, in a run directory without the checkpoints)."""
-    alone = msgspec.structs.replace(load_config(run_dir / "config.yaml", from_launcher=True), runs_dir=str(elsewhere))
+    alone = msgspec.structs.replace(load_config(run_dir / "config.yaml"), runs_dir=str(elsewhere))
     record = load_export(export)
     manifests, scored = load_record(record.records["batches"], record.records["scored"])
     result = retrain(alone, steps, manifests, scored)

@@ -1,14 +1,17 @@
 """Config loading: every shipped config loads, overrides apply, bad values are named clearly."""
 
+import os
 import re
 from pathlib import Path
 
+import msgspec
 import pytest
 import yaml
 
 import pipeline
 from pipeline.cli import main
 from pipeline.config import ConfigError, explain, load_config, on_one_machine, resolve, save_config
+from schemas.config import LauncherState
 
 SHIPPED = sorted((Path(pipeline.__file__).parent / "configs").glob("*.yaml"))
 
@@ -30,7 +33,7 @@ def test_overrides_are_typed():
 def test_round_trip_through_yaml(tmp_path):
     config = load_config(None, ["name=x", "trainer.steps=7"])
     save_config(config, tmp_path / "c.yaml")
-    assert load_config(tmp_path / "c.yaml", from_launcher=True) == config
+    assert load_config(tmp_path / "c.yaml") == config
 
 
 @pytest.mark.parametrize(
@@ -127,20 +130,25 @@ def test_launcher_state_given_by_a_config_is_one_line_saying_whose_it_is(tmp_pat
     key = name.partition("=")[0]
     with pytest.raises(ConfigError, match=rf"^{re.escape(key)} is the launcher's, not a config's: "):
         load_config(None, [name])
-    path = tmp_path / "c.yaml"
-    path.write_text("launcher: {cores: 2}\n")
-    with pytest.raises(ConfigError, match=r"^launcher is what a launcher wrote into a run's config.yaml"):
+    section, _, field = key.rpartition(".")
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump({section: {field: 2}} if section else {field: 2}))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)} is the launcher's, not a config's \(in {path}\): "):
         load_config(path)
-    with pytest.raises(ConfigError, match=r"^launcher is what a launcher wrote"):
+    with pytest.raises(ConfigError, match=r"^launcher is what a launcher writes into a run's config.yaml"):
         load_config(None, ["launcher.sole_consumers=true"])
 
 
-def test_a_run_s_config_yaml_keeps_what_the_launcher_wrote(tmp_path):
+def test_a_run_s_config_yaml_run_again_gets_its_launcher_state_anew(tmp_path):
+    """`asyncrl run runs/latest/config.yaml`: that run's cores and embedded broker are not this run's."""
     config = resolve(on_one_machine(load_config(None, [f"runs_dir={tmp_path}"])))
     save_config(config, tmp_path / "config.yaml")
-    assert load_config(tmp_path / "config.yaml", from_launcher=True) == config
-    with pytest.raises(ConfigError, match=r"^launcher is what a launcher wrote"):  # overrides are a config's
-        load_config(tmp_path / "config.yaml", ["launcher.sole_consumers=false"], from_launcher=True)
+    assert load_config(tmp_path / "config.yaml") == config  # as its workers read it
+    ran = msgspec.structs.replace(config, launcher=LauncherState(cores=99, embedded_broker=True, sole_consumers=False))
+    ran = msgspec.structs.replace(ran, broker=msgspec.structs.replace(ran.broker, bootstrap="127.0.0.1:9"))
+    again = on_one_machine(ran).launcher
+    assert again.cores == len(os.sched_getaffinity(0)) and again.sole_consumers and again.embedded_broker
+    assert not on_one_machine(resolve(load_config(None, ["broker.bootstrap=kafka:9092"]))).launcher.embedded_broker
 
 
 def value_at(config, dotted: str):
