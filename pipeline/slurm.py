@@ -172,7 +172,7 @@ def layout_overrides(config: RunConfig, layout: Layout, runs_dir: Path, override
     """The overrides with what the layout decides: where the run lives, how many rollout workers.
 
     With GPUs, model.device defaults to cuda (an override model.device=... still wins). Nothing is lent
-    between workers there (`cores` stays 0).
+    between workers there (`launcher.cores` stays 0).
     """
     from schemas.config import AUTO
 
