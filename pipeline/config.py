@@ -1,10 +1,13 @@
-"""Load a RunConfig from YAML plus dotted `key=value` overrides, with clear errors."""
+"""Load a RunConfig from YAML plus dotted `key=value` overrides, with clear errors; `resolve` it.
+
+What an older config wrote (a renamed field, 0 or null for an automatic value, the launcher's state) is a
+one-line error saying what to write now, before anything starts.
+"""
 
 from __future__ import annotations
 
 import importlib
 import re
-import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -13,7 +16,7 @@ import msgspec
 import yaml
 from msgspec.structs import replace
 
-from schemas.config import RunConfig
+from schemas.config import AUTO, RunConfig
 from schemas.errors import ConfigError
 from workers.cores import cores_here, split_cores
 
@@ -30,50 +33,41 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
-# Names of fields that moved, old dotted name -> where it lives now. `trainer.microbatch` comes first: it was
-# the mode string and is now a section, so it must become one before the other micro-batch names move into it.
-LEGACY_NAMES = {
-    "trainer.microbatch": "trainer.microbatch.mode",
+# Names that older configs used, and what to write now: fields renamed on the way into a section. A field that
+# only moved into a section (trainer.lr is trainer.optim.lr) is found by its name (`moved_to`).
+RENAMED = {
+    "trainer.microbatch": "trainer.microbatch.mode",  # a string then: a section now
     "trainer.max_tokens_per_microbatch": "trainer.microbatch.max_tokens",
     "trainer.min_microbatches": "trainer.microbatch.min_count",
     "trainer.microbatches_fixed": "trainer.microbatch.fixed_count",
-    **{f"trainer.{name}": f"trainer.optim.{name}" for name in ("lr", "weight_decay", "grad_clip", "minibatches")},
-    **{
-        f"trainer.{name}": f"trainer.loss.{name}"
-        for name in (
-            "objective",
-            "advantage",
-            "clip_eps",
-            "clip_eps_high",
-            "behaviour_weight_cap",
-            "behaviour_weight_mode",
-            "behaviour_weight_level",
-            "kl_coef",
-        )
-    },
     "trainer.loss_aggregation": "trainer.loss.aggregation",
     "trainer.checkpoint_every": "trainer.checkpoint.every",
     "trainer.keep_checkpoints": "trainer.checkpoint.keep",
-    "trainer.keep_versions": "trainer.checkpoint.keep_versions",
-    "trainer.weights_dir": "trainer.checkpoint.weights_dir",
     "trainer.warmup_steps": "model.warmup_steps",
-}
-
-
-# Fields replaced by one whose values differ: old dotted name -> what to write now.
-RETIRED_NAMES = {
     "rollout.recompute_cache": "rollout.cache_lag (recompute_cache true is cache_lag 0, false a large cache_lag)",
 }
 
 
-def current_name(path: list[str], value: Any, used: set[str]) -> list[str]:
-    """`path` itself, or where the old name it spells lives now (noted in `used`); a mapping is a section,
-    never an old name (`trainer.microbatch` was a string)."""
-    old = ".".join(path)
-    if old not in LEGACY_NAMES or isinstance(value, dict):
-        return path
-    used.add(old)
-    return LEGACY_NAMES[old].split(".")
+# What older configs wrote for an automatic value, which is spelled "auto" (a 0 elsewhere is a real zero).
+OLD_AUTOMATIC: dict[str, Any] = {
+    "broker.fetch_wait_ms": 0,
+    "model.warmup_steps": None,
+    "data.eval_source": "",
+    "rollout.max_new_tokens": 0,
+    "rollout.cache_lag": None,
+    "rollout.threads": 0,
+    "trainer.threads": 0,
+    "trainer.loss.clip_eps_high": 0,
+    "trainer.checkpoint.weights_dir": "",
+}
+
+
+# The launcher's state that older configs set, and why a config cannot (the launcher writes `launcher`).
+LAUNCHER_OWNED = {
+    "cores": "`asyncrl run` shares its CPU affinity (start it under taskset for fewer, or set the threads)",
+    "broker.embedded": "`asyncrl run` sets it when it starts the broker; `asyncrl prepare --embedded-broker` says it",
+    "broker.sole_consumers": "true under `asyncrl run`, which starts every worker; false in a deployment",
+}
 
 
 def set_path(tree: dict[str, Any], path: list[str], value: Any, what: str) -> None:
@@ -87,40 +81,73 @@ def set_path(tree: dict[str, Any], path: list[str], value: Any, what: str) -> No
     node[path[-1]] = value
 
 
-def parent_of(tree: dict[str, Any], path: list[str]) -> dict[str, Any] | None:
-    """The section that holds (or would hold) `path`'s last part, if the tree has it."""
-    node: Any = tree
-    for part in path[:-1]:
-        node = node.get(part) if isinstance(node, dict) else None
-    return node if isinstance(node, dict) else None
-
-
-def move_legacy_names(tree: dict[str, Any], used: set[str], where: str) -> None:
-    """Move the old names of a config file (one an older version wrote, say) to where they live now."""
-    for old in LEGACY_NAMES:
-        path = old.split(".")
-        section = parent_of(tree, path)
-        if section is None or path[-1] not in section:
-            continue
-        new = current_name(path, section[path[-1]], used)
-        if new == path:
-            continue
-        target = parent_of(tree, new)
-        if target is not None and new[-1] in target:
-            raise ConfigError(f"{where} sets both {old} and {'.'.join(new)} (one setting): keep {'.'.join(new)}")
-        set_path(tree, new, section.pop(path[-1]), f"{where}: {old}")
-
-
-def apply_overrides(tree: dict[str, Any], overrides: list[str], used: set[str]) -> dict[str, Any]:
-    """Each `section.key=value` into `tree`, an old name to its current place (noted in `used`)."""
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Each `section.key=value` into `tree`."""
     for text in overrides:
         path, value = parse_override(text)
-        set_path(tree, current_name(path, value, used), value, f"override {text!r}")
+        set_path(tree, path, value, f"override {text!r}")
     return tree
 
 
+def field_paths(struct: type[msgspec.Struct] = RunConfig, prefix: str = "") -> dict[str, type | None]:
+    """Every field of the schema by dotted name, with its section's type (None for a value)."""
+    paths: dict[str, type | None] = {}
+    for field in msgspec.structs.fields(struct):
+        name = f"{prefix}{field.name}"
+        section = field.type if isinstance(field.type, type) and issubclass(field.type, msgspec.Struct) else None
+        paths[name] = section
+        if section is not None:
+            paths.update(field_paths(section, f"{name}."))
+    return paths
+
+
+def moved_to(old: str) -> str | None:
+    """Where a name that is no field of the schema lives now: its renamed field, or the one field of that name
+    in a section below its own."""
+    if old in RENAMED:
+        return RENAMED[old]
+    parent, _, leaf = old.rpartition(".")
+    below = [path for path in field_paths() if path.startswith(f"{parent}.") and path.endswith(f".{leaf}")]
+    return below[0] if len(below) == 1 and below[0] != old else None
+
+
+def check_names(tree: dict[str, Any], where: str) -> None:
+    """A name or an automatic value of an older config (an unknown field, a section given a value, a 0 that
+    meant auto) is one line naming what to write now."""
+    schema = field_paths()
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            name = f"{prefix}{key}"
+            section = schema.get(name, False)  # False: no field of that name
+            if name == "launcher":
+                raise ConfigError("launcher is what a launcher writes into a run's config.yaml, never an override")
+            if name in LAUNCHER_OWNED:
+                raise ConfigError(f"{name} is the launcher's, not a config's{where}: {LAUNCHER_OWNED[name]}")
+            if section and isinstance(value, dict):
+                walk(value, f"{name}.")
+            elif section is None:  # a value's field
+                if name in OLD_AUTOMATIC and old_automatic(value, OLD_AUTOMATIC[name]):
+                    raise ConfigError(f"{name}={yaml_scalar(value)}: an automatic value is spelled {name}=auto{where}")
+            elif (new := moved_to(name)) is not None:  # no such field, or a section given a value
+                raise ConfigError(f"{name} was renamed: use {new}{where}")
+
+    walk(tree, "")
+
+
+def old_automatic(value: Any, spelling: Any) -> bool:
+    """`value` is `spelling` (0, null or ''), a boolean never (False == 0)."""
+    return not isinstance(value, bool) and type(value) in (type(spelling), float) and value == spelling
+
+
+def yaml_scalar(value: Any) -> str:
+    return yaml.safe_dump(value, default_style=None).removesuffix("\n...\n").strip()
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
-    """The config as written: defaults, then the YAML file, then the overrides (`resolve` fills in the rest)."""
+    """The config as written: defaults, then the YAML file, then the overrides (`resolve` fills in the rest).
+    A file's `launcher` section is what a launcher wrote into a run's config.yaml (`on_one_machine` and
+    `prepare` write it anew); an override cannot set it."""
     tree: dict[str, Any] = {}
     if path is not None:
         try:
@@ -132,14 +159,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         tree = loaded or {}
-    used: set[str] = set()
-    move_legacy_names(tree, used, str(path))
-    tree = apply_overrides(tree, list(overrides), used)
-    for old in sorted(used, key=list(LEGACY_NAMES).index):
-        print(f"asyncrl: {old} is now {LEGACY_NAMES[old]} (the old name still works)", file=sys.stderr)
-    for old, now in RETIRED_NAMES.items():
-        if old.split(".")[-1] in (parent_of(tree, old.split(".")) or {}):
-            raise ConfigError(f"{old} is retired: use {now}")
+    launcher = tree.pop("launcher", None)
+    check_names(tree, f" (in {path})")
+    tree = apply_overrides(tree, list(overrides))
+    check_names(tree, "")
+    if launcher is not None:
+        tree["launcher"] = launcher
     try:
         config = msgspec.convert(tree, RunConfig, strict=False)
     except msgspec.ValidationError as exc:
@@ -160,45 +185,44 @@ def origin(error: msgspec.ValidationError, path: str | Path | None, overrides: l
 
 
 def resolve(config: RunConfig) -> RunConfig:
-    """Every automatic value made explicit, so config.yaml and `--dry-run` say what runs. Idempotent.
+    """Every automatic value ("auto") made explicit, so config.yaml and `--dry-run` say what runs. Idempotent.
 
     Called where a config is handed to workers (`prepare`, which writes config.yaml; `asyncrl worker`)
-    or shown (`--dry-run`), once the run directory is named.
-
-    rollout.max_new_tokens 0 and model.warmup_steps null -> the task's defaults; rollout.cache_lag null -> 1 on
-    the torch backend, 0 on vLLM; model.dtype auto -> bfloat16 on
-    CUDA, float32 on CPU; broker.fetch_wait_ms 0 -> 20 ms when trainer.max_staleness is 0 (every hop is on the
-    critical path of a synchronous step), else 50 ms; broker.sole_consumers null -> false (`on_one_machine`
-    sets it first under `asyncrl run`);
-    trainer.threads and rollout.threads 0 -> their shares of `cores` (0, a deployment: 1 each);
-    trainer.checkpoint.weights_dir '' -> <runs_dir>/<name>/weights, absolute.
+    or shown (`--dry-run`), once the run directory is named. The field descriptions say what each becomes.
     """
-    broker, trainer, model, rollout = config.broker, config.trainer, config.model, config.rollout
-    task = load_task_or_error(config.data.task)
-    if config.rollout.workflow:
-        load_or_error(config.rollout.workflow, "workers.rollout.workflow", "load_workflow")
-    if not rollout.max_new_tokens:
+    broker, data, trainer, model, rollout = config.broker, config.data, config.trainer, config.model, config.rollout
+    task = load_task_or_error(data.task)
+    if rollout.workflow:
+        load_or_error(rollout.workflow, "workers.rollout.workflow", "load_workflow")
+    if rollout.max_new_tokens == AUTO:
         rollout = replace(rollout, max_new_tokens=task.max_new_tokens)
-    if model.warmup_steps is None:
-        model = replace(model, warmup_steps=task.demo.warmup_max_steps)
-    if rollout.cache_lag is None:
+    if rollout.cache_lag == AUTO:
         rollout = replace(rollout, cache_lag=0 if rollout.backend == "vllm" else 1)
-    if model.dtype == "auto":
+    if model.warmup_steps == AUTO:
+        model = replace(model, warmup_steps=task.demo.warmup_max_steps)
+    if model.dtype == AUTO:
         model = replace(model, dtype="bfloat16" if model.device.startswith("cuda") else "float32")
-    if not broker.fetch_wait_ms:
+    data = replace(data, eval_source=data.eval_source_or_default())
+    if broker.fetch_wait_ms == AUTO:
         broker = replace(broker, fetch_wait_ms=20 if trainer.max_staleness == 0 else 50)
-    if broker.sole_consumers is None:  # not `asyncrl run` (on_one_machine): a deployment, whose roles may scale
-        broker = replace(broker, sole_consumers=False)
-    if not (trainer.threads and rollout.threads):
-        trainer_threads, rollout_threads = (
-            split_cores(config.cores, trainer.ranks, rollout.workers, trainer.threads, rollout.threads)
-            if config.cores
-            else (trainer.threads or 1, rollout.threads or 1)  # a deployment: each replica's cores are unknown here
-        )
+    if AUTO in (trainer.threads, rollout.threads):
+        trainer_threads, rollout_threads = threads_on(config.launcher.cores, config)
         trainer, rollout = replace(trainer, threads=trainer_threads), replace(rollout, threads=rollout_threads)
-    if not trainer.checkpoint.weights_dir:
+    if trainer.loss.clip_eps_high == AUTO:
+        trainer = replace(trainer, loss=replace(trainer.loss, clip_eps_high=trainer.loss.clip_eps))
+    if trainer.checkpoint.weights_dir == AUTO:
         trainer = replace(trainer, checkpoint=replace(trainer.checkpoint, weights_dir=derived_weights_dir(config)))
-    return replace(config, broker=broker, trainer=trainer, model=model, rollout=rollout)
+    return replace(config, broker=broker, data=data, trainer=trainer, model=model, rollout=rollout)
+
+
+def threads_on(cores: int, config: RunConfig) -> tuple[int, int]:
+    """(trainer threads per rank, rollout threads per worker): those given, the automatic ones split from `cores`
+    (0, a deployment where each replica's cores are unknown here: 1 each)."""
+    trainer, rollout = config.trainer, config.rollout
+    given = [0 if threads == AUTO else threads for threads in (trainer.threads, rollout.threads)]
+    if not cores:
+        return given[0] or 1, given[1] or 1
+    return split_cores(cores, trainer.ranks, rollout.workers, *given)
 
 
 def derived_weights_dir(config: RunConfig) -> str:
@@ -207,12 +231,12 @@ def derived_weights_dir(config: RunConfig) -> str:
 
 
 def on_one_machine(config: RunConfig) -> RunConfig:
-    """`asyncrl run`: every worker on the launcher's machine, sharing its cores (`cores`, unless given), and
-    started by the launcher alone, so a role's only worker need not join its consumer group
-    (`broker.sole_consumers`, unless given)."""
-    cores = config.cores or cores_here()
-    sole = True if config.broker.sole_consumers is None else config.broker.sole_consumers
-    return replace(config, cores=cores, broker=replace(config.broker, sole_consumers=sole))
+    """`asyncrl run`: every worker on the launcher's machine, sharing its cores, and started by the launcher
+    alone, so a role's only worker need not join its consumer group; no broker.bootstrap: the launcher starts
+    the embedded broker (a resumed run's config.yaml names the one it started)."""
+    embedded = config.launcher.embedded_broker or not config.broker.bootstrap
+    launcher = replace(config.launcher, cores=cores_here(), embedded_broker=embedded, sole_consumers=True)
+    return replace(config, launcher=launcher)
 
 
 def load_task_or_error(spec: str):

@@ -177,9 +177,9 @@ def eval_rows(args: argparse.Namespace, run: RunConfig | None) -> tuple[list[Row
     """The rows (the first --max-rows) and a label saying where they came from."""
     if args.data:
         rows, label = file_rows(args.data, "--data"), args.data
-    elif args.task or (run and not run.data.eval_source):
+    elif args.task or (run and run.data.eval_source in ("builtin", "none")):
         spec = args.task or run.data.task
-        if run and not args.task and run.data.source != "builtin":
+        if run and not args.task and run.data.eval_source == "none":
             raise ConfigError(
                 f"--run: the run trained on {run.data.source} and has no data.eval_source: give --data FILE"
             )

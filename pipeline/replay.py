@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -482,8 +480,6 @@ def retrain_command(source: RunTopics, config: RunConfig | None, step: int) -> i
 async def rescore_run(source: RunTopics, config: RunConfig, args: argparse.Namespace) -> list[Rescored]:
     """`--reward` checked as the run config checks `data.reward` and loaded here, so a bad one is a
     one-line error before any scoring; the pool, time limit and failure reward are the run's."""
-    if os.getcwd() not in sys.path:  # as for the run's workers (started with `python -m`): modules beside you import
-        sys.path.insert(0, os.getcwd())
     try:
         msgspec.structs.replace(config, data=msgspec.structs.replace(config.data, reward=args.reward))
         functions.load(args.reward, config.data.task)

@@ -174,15 +174,17 @@ def layout_overrides(config: RunConfig, layout: Layout, runs_dir: Path, override
     """The overrides with what the layout decides: where the run lives, how many rollout workers.
 
     With GPUs, model.device defaults to cuda (an override model.device=... still wins). Nothing is lent
-    between workers there (`cores` stays 0).
+    between workers there (`launcher.cores` stays 0).
     """
+    from schemas.config import AUTO
+
     workers = len(layout.rollout_nodes)
     device = ["model.device=cuda"] if layout.gpus_per_node and config.model.device == "cpu" else []
     decided = [f"runs_dir={runs_dir}", f"rollout.workers={workers}"]
     if workers > config.broker.partitions:  # each rollout worker consumes partitions of its own
         decided.append(f"broker.partitions={workers}")
-    # each step asks Slurm for its threads as CPUs: automatic (0) threads become 1, one CPU per step
-    decided += [f"{role}.threads=1" for role in ("trainer", "rollout") if not getattr(config, role).threads]
+    # each step asks Slurm for its threads as CPUs: automatic threads become 1, one CPU per step
+    decided += [f"{role}.threads=1" for role in ("trainer", "rollout") if getattr(config, role).threads == AUTO]
     return [*device, *overrides, *decided]
 
 

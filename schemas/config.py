@@ -10,6 +10,9 @@ from typing import Annotated, Literal
 
 import msgspec
 
+AUTO = "auto"  # the one spelling of an automatic value: `pipeline.config.resolve` makes it explicit
+Auto = Literal["auto"]
+
 
 def doc(text: str, **constraints) -> msgspec.Meta:
     """Field description (shown by `asyncrl run --dry-run --explain`) plus constraints."""
@@ -24,35 +27,13 @@ class BrokerConfig(Section):
     bootstrap: Annotated[str, doc("Kafka bootstrap HOST:PORT; empty = start the embedded Tansu broker")] = ""
     topic_prefix: Annotated[str, doc("prefix for every topic name, to share one broker between runs")] = ""
     partitions: Annotated[int, doc("partitions of prompts/segments/scored (weights always has 1)", ge=1)] = 1
-    embedded: Annotated[
-        bool,
-        doc(
-            "set by `asyncrl run` when it started the embedded broker, which keeps topics in memory only: the "
-            "trainer then appends them to <run dir>/topics.export before each checkpoint, and `asyncrl run --resume` "
-            "loads them into a new broker"
-        ),
-    ] = False
-    sole_consumers: Annotated[
-        bool | None,
-        doc(
-            "a role with one worker (the reward worker; the rollout worker with rollout.workers=1) reads every "
-            "partition of its topic without joining its consumer group, committing its offsets there all the same: "
-            "no group join to wait for (3 s on Tansu) at each start or restart. Right only where nothing else "
-            "starts workers of the run's roles; empty (null) = true under `asyncrl run`, which starts them all, "
-            "false otherwise; `asyncrl prepare` (docker compose, Slurm) always sets false: a deployment's workers "
-            "may be scaled"
-        ),
-    ] = None
     fetch_wait_ms: Annotated[
-        int,
+        Annotated[int, msgspec.Meta(ge=1)] | Auto,
         doc(
-            "longest a worker's fetch waits at the broker for new records (on Tansu a hop's latency grows with "
-            "it: a record reached a waiting consumer after ~7 ms at 20 or 50, ~25 ms at 200); 0 = 20 when "
-            "trainer.max_staleness is 0 (every hop is on the critical path of a synchronous step), else 50 (a "
-            "run of short steps waits on its hops at 200; at 20 the idle fetches take the cores from generation)",
-            ge=0,
+            "longest a worker's fetch waits at the broker for new records; auto = 20 when trainer.max_staleness is 0 "
+            "(every hop on a synchronous step's path), else 50 (docs: Running a pipeline)"
         ),
-    ] = 0
+    ] = AUTO
 
 
 class ModelConfig(Section):
@@ -66,21 +47,20 @@ class ModelConfig(Section):
         ),
     ] = "auto"
     warmup_steps: Annotated[
-        Annotated[int, msgspec.Meta(ge=0)] | None,
+        Annotated[int, msgspec.Meta(ge=0)] | Auto,
         doc(
-            "demo model only: at most this many supervised warm-up steps (it stops earlier at the task's target); "
-            "0 = none (a random model); empty (null) = the task's own cap"
+            "demo model only: at most this many supervised warm-up steps, fewer once the task's target is reached; 0 ="
+            " none (a random model), auto = the task's own cap"
         ),
-    ] = None
+    ] = AUTO
 
 
 class DataConfig(Section):
     task: Annotated[
         str,
         doc(
-            "the task: 'arith' (the demo), 'chain' (long chains of thought), 'code' (programs run against tests), "
-            "path/to/file.py:Class or module:Class (a subclass of workers.tasks.Task): its rows, verifier, demo "
-            "model and defaults"
+            "'arith' (the demo), 'chain' (long chains of thought), 'code' (programs run against tests), or your own "
+            "Task subclass as path/to/file.py:Class or module:Class (docs: Tasks and rewards)"
         ),
     ] = "arith"
     source: Annotated[
@@ -89,17 +69,17 @@ class DataConfig(Section):
     reward: Annotated[
         str,
         doc(
-            "'builtin' (the task's verifier), 'math' (math-verify), 'code' (the row's tests run in the sandbox) "
-            "or 'module:function' of your own"
+            "'builtin' (the task's verifier), 'math' (math-verify), 'code' (the row's tests in the sandbox), or your "
+            "own function as path/to/file.py:fn or module:fn (docs: Tasks and rewards)"
         ),
     ] = "builtin"
     eval_source: Annotated[
         str,
         doc(
-            "held-out JSONL/Parquet (prompt/answer) scored during and after training; empty = the task's held-out "
-            "split when data.source is 'builtin', else no evaluation"
+            "held-out rows scored during and after training: a JSONL or Parquet file (prompt/answer), 'builtin' (the "
+            "task's held-out split) or 'none'; auto = 'builtin' for the task's own rows, else 'none'"
         ),
-    ] = ""
+    ] = AUTO
     template: Annotated[
         Literal["raw", "chat"],
         doc("'raw': the prompt text tokenised as is; 'chat': the tokenizer's chat template, one user turn"),
@@ -109,6 +89,12 @@ class DataConfig(Section):
     epochs: Annotated[int, doc("passes over the dataset before the prompt source stops", ge=1)] = 1000
     held_out: Annotated[int, doc("the task's own rows: problems kept out of training for evaluation", ge=1)] = 200
 
+    def eval_source_or_default(self) -> str:
+        """eval_source with auto filled in: the task's held-out split for the task's own rows; a file has none."""
+        if self.eval_source != AUTO:
+            return self.eval_source
+        return "builtin" if self.source == "builtin" else "none"
+
 
 class RolloutConfig(Section):
     workers: Annotated[int, doc("rollout worker processes started by `asyncrl run`", ge=1)] = 1
@@ -116,21 +102,21 @@ class RolloutConfig(Section):
     temperature: Annotated[float, doc("sampling temperature (0 = greedy)", ge=0)] = 1.0
     top_p: Annotated[float, doc("nucleus sampling mass", gt=0, le=1)] = 1.0
     top_k: Annotated[int, doc("sample among the k most likely tokens; 0 = off", ge=0)] = 0
-    max_new_tokens: Annotated[int, doc("completion length limit; 0 = the task's default", ge=0)] = 0
+    max_new_tokens: Annotated[
+        Annotated[int, msgspec.Meta(ge=1)] | Auto, doc("completion length limit; auto = the task's default")
+    ] = AUTO
     interrupt: Annotated[bool, doc("interrupt in-flight sequences when new weights arrive")] = True
     cache_lag: Annotated[
-        Annotated[int, msgspec.Meta(ge=0)] | None,
+        Annotated[int, msgspec.Meta(ge=0)] | Auto,
         doc(
-            "versions a running sequence's KV cache may lag the weights: at an interruption, sequences whose cache "
-            "is older are re-prefilled under the new weights, the others keep it and compute only what follows "
-            "with the new ones (an in-flight update); 0 = recompute every running sequence at every version "
-            "(AReaL), a large value = never (PipelineRL); empty (null) = 1 on the torch backend, 0 on vLLM (which "
-            "re-prefills a resumed request: it takes 0 only)"
+            "versions a running sequence's KV cache may lag the weights before an interruption recomputes it: 0 = "
+            "always (AReaL), large = never (PipelineRL); auto = 1 on torch, 0 on vLLM (docs: Concepts)"
         ),
-    ] = None
+    ] = AUTO
     threads: Annotated[
-        int, doc("torch CPU threads of each rollout worker; 0 = its share of the run's cores (see `cores`)", ge=0)
-    ] = 0
+        Annotated[int, msgspec.Meta(ge=1)] | Auto,
+        doc("torch CPU threads of each rollout worker; auto = its share of the launcher's cores (1 in a deployment)"),
+    ] = AUTO
     backend: Annotated[
         Literal["torch", "vllm"],
         doc("inference engine: 'torch' (embedded, CPU or CUDA) or 'vllm' (CUDA, needs the vllm extra)"),
@@ -138,9 +124,8 @@ class RolloutConfig(Section):
     workflow: Annotated[
         str,
         doc(
-            "multi-turn rollouts: '' = one turn; 'python' = the model's `[code]` calls run in the sandbox and their "
-            "output follows (not trained on); or path/to/file.py:Class, a subclass of "
-            "workers.rollout.workflow.Workflow"
+            "multi-turn rollouts: '' = one turn; 'python' = the model's `[code]` calls run in the sandbox, their "
+            "output following untrained; or your own Workflow as path/to/file.py:Class (docs: Multi-turn tools)"
         ),
     ] = ""
 
@@ -149,18 +134,16 @@ class RewardConfig(Section):
     processes: Annotated[
         int,
         doc(
-            "size of the scoring process pool; 0 = the task's own verifier (data.reward 'builtin') scores in the "
-            "reward worker itself, with no time limit and no isolation, for a fast one you trust not to hang or "
-            "crash (the shipped arith and chain tasks'); any other reward function then gets a pool of one",
+            "size of the scoring process pool; 0 = the 'builtin' verifier scores in the reward worker itself, without "
+            "time limit or isolation (a fast one you trust), any other function in a pool of one",
             ge=0,
         ),
     ] = 1
     max_processes: Annotated[
         int,
         doc(
-            "while a call runs longer than a quarter of timeout_s (it may be hung), the calls waiting behind it "
-            "get spare scoring processes, up to this many processes in all (spares end when no call waits), so "
-            "hung calls time out together; at most reward.processes are kept otherwise",
+            "most scoring processes at once: calls waiting behind one that may hang (past a quarter of timeout_s) get "
+            "spare processes up to this many, so hung calls time out together (docs: Promises)",
             ge=1,
         ),
     ] = 8
@@ -204,8 +187,9 @@ class LossConfig(Section):
     ] = "grpo"
     clip_eps: Annotated[float, doc("PPO ratio clip epsilon", gt=0, lt=1)] = 0.2
     clip_eps_high: Annotated[
-        float, doc("upper ratio clip epsilon (clip-higher): clip(r, 1-clip_eps, 1+clip_eps_high); 0 = clip_eps", ge=0)
-    ] = 0.0
+        Annotated[float, msgspec.Meta(gt=0)] | Auto,
+        doc("upper ratio clip epsilon (clip-higher): clip(r, 1-clip_eps, 1+clip_eps_high); auto = clip_eps"),
+    ] = AUTO
     behaviour_weight_cap: Annotated[float, doc("cap on the behaviour weight pi_prox/pi_behav; 0 = no cap", ge=0)] = 0.0
     behaviour_weight_mode: Annotated[
         Literal["cap", "mask"],
@@ -255,7 +239,9 @@ class CheckpointConfig(Section):
         int, doc("checkpoints kept; `asyncrl replay retrain --step N` needs one from before step N", ge=1)
     ] = 2
     keep_versions: Annotated[int, doc("weight versions kept on shared storage", ge=2)] = 4
-    weights_dir: Annotated[str, doc("shared storage for weights; empty = <run dir>/weights")] = ""
+    weights_dir: Annotated[str, doc("shared storage for weight versions; auto = <run dir>/weights", min_length=1)] = (
+        AUTO
+    )
 
 
 class TrainerConfig(Section):
@@ -263,8 +249,9 @@ class TrainerConfig(Section):
 
     steps: Annotated[int, doc("optimizer steps; the run ends after the last one", ge=1)] = 600
     threads: Annotated[
-        int, doc("torch CPU threads of the trainer (of each rank); 0 = its share of the run's cores", ge=0)
-    ] = 0
+        Annotated[int, msgspec.Meta(ge=1)] | Auto,
+        doc("torch CPU threads of each trainer rank; auto = its share of the launcher's cores (1 in a deployment)"),
+    ] = AUTO
     ranks: Annotated[
         int, doc("trainer processes on this machine, FSDP2 ranks under torchrun (gloo on CPU, NCCL on CUDA)", ge=1)
     ] = 1
@@ -273,19 +260,16 @@ class TrainerConfig(Section):
     max_in_flight: Annotated[
         int,
         doc(
-            "groups released and not yet trained or dropped, at most (a cap under eta's (eta + 1) * B): groups "
-            "released beyond what the rollout workers can decode wait in a queue, spending their eta versions "
-            "there; 0 = no cap beyond eta's",
+            "most groups released and not yet trained or dropped, under eta's cap of (eta + 1) * B: groups beyond what"
+            " rollout decodes wait in a queue, spending their eta versions; 0 = eta's cap (docs: Concepts)",
             ge=0,
         ),
     ] = 0
     skip_uniform_groups: Annotated[
         int,
         doc(
-            "per step, drop up to this many complete groups whose samples all got the same reward (no advantage) "
-            "and train on later ones instead, so the batch carries more signal (DAPO's dynamic sampling); the "
-            "prompt source releases a group in place of each one dropped, and one version's worth of the recent "
-            "drops ahead of them; the cap bounds the extra generation once most groups are solved; 0 = off",
+            "per step, drop up to this many groups whose samples all got the same reward (no advantage) and train on "
+            "later ones instead (DAPO's dynamic sampling); 0 = off (docs: Concepts)",
             ge=0,
         ),
     ] = 0
@@ -359,21 +343,40 @@ class ProfileConfig(Section):
     with_stack: Annotated[bool, doc("also record the Python stack of each op (a much larger trace)")] = False
 
 
+class LauncherState(Section):
+    """What the launcher found and did, written into a run's config.yaml for its workers. Never set by a user:
+    an override of it is refused (`pipeline.config.load_config`), and a launcher running a config writes it
+    anew (`on_one_machine`, `prepare`), a run's config.yaml given again included."""
+
+    cores: Annotated[
+        int,
+        doc(
+            "cores the workers of `asyncrl run` share on its machine (its CPU affinity), split into automatic threads;"
+            " 0 = a deployment, where each replica's cores are its own",
+            ge=0,
+        ),
+    ] = 0
+    embedded_broker: Annotated[
+        bool,
+        doc(
+            "the run's broker is the embedded one, whose topics live in memory only: the trainer exports them before "
+            "each checkpoint for `asyncrl run --resume`"
+        ),
+    ] = False
+    sole_consumers: Annotated[
+        bool,
+        doc(
+            "a role's only worker reads every partition without joining its consumer group: true under `asyncrl run`, "
+            "which starts every worker, false in a deployment (whose workers may scale)"
+        ),
+    ] = False
+
+
 class RunConfig(Section):
     name: Annotated[str, doc("run name: the run directory is <runs_dir>/<name>", min_length=1)] = "demo"
     runs_dir: Annotated[str, doc("where run directories are created")] = "runs"
     seed: Annotated[int, doc("seed for data order, sampling and the demo model")] = 0
     max_wall_s: Annotated[float, doc("stop the run after this many seconds; 0 = no limit", ge=0)] = 0.0
-    cores: Annotated[
-        int,
-        doc(
-            "cores the run's trainer and rollout workers share on one machine; `asyncrl run` sets them to the "
-            "launcher's (its affinity): threads 0 are split from them, and with trainer.borrow_cores a core a "
-            "rollout worker leaves idle is lent to the trainer for a step at a time; 0 = a deployment (compose, "
-            "Slurm, workers on several machines): threads 0 become 1 and nothing is lent",
-            ge=0,
-        ),
-    ] = 0
     broker: BrokerConfig = BrokerConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -383,12 +386,16 @@ class RunConfig(Section):
     eval: EvalConfig = EvalConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     profile: ProfileConfig = ProfileConfig()
+    launcher: LauncherState = LauncherState()
 
     def __post_init__(self) -> None:
         if "/" in self.name or self.name in {".", "..", "latest"}:
             raise ValueError(f"name {self.name!r} must be a plain directory name other than 'latest'")
         if self.data.reward not in {"builtin", "math", "code"} and ":" not in self.data.reward:
-            raise ValueError(f"data.reward {self.data.reward!r}: use 'builtin', 'math', 'code' or 'module:function'")
+            raise ValueError(
+                f"data.reward {self.data.reward!r}: use builtin, math, code, path/to/file.py:function "
+                "or module:function"
+            )
         if self.data.source != "builtin" and self.data.reward == "builtin":
             raise ValueError(
                 "data.reward 'builtin' verifies the built-in task only; use 'math', 'code' or 'module:function'"
@@ -399,7 +406,7 @@ class RunConfig(Section):
             )
         if self.data.system_prompt and self.data.template != "chat":
             raise ValueError("data.system_prompt needs data.template=chat (a raw prompt has no system turn)")
-        if self.rollout.backend == "vllm" and self.rollout.cache_lag:
+        if self.rollout.backend == "vllm" and self.rollout.cache_lag not in (0, AUTO):
             raise ValueError(
                 "rollout.cache_lag above 0 needs rollout.backend=torch (vLLM re-prefills a resumed request)"
             )

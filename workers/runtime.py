@@ -23,7 +23,7 @@ import structlog
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from schemas.config import RunConfig
+from schemas.config import AUTO, RunConfig
 from topics.names import TopicLayout
 from topics.transport import Transport
 
@@ -38,8 +38,8 @@ def topics_export_path(config: RunConfig) -> Path:
 
 
 def weights_dir(config: RunConfig) -> Path:
-    if not config.trainer.checkpoint.weights_dir:
-        raise ValueError("the config is not resolved: its weights dir is empty (pipeline.config.resolve fills it)")
+    if config.trainer.checkpoint.weights_dir == AUTO:
+        raise ValueError("the config is not resolved: its weights dir is auto (pipeline.config.resolve fills it)")
     return Path(config.trainer.checkpoint.weights_dir)
 
 

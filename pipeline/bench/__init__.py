@@ -83,15 +83,9 @@ def with_model(config: RunConfig, path: str) -> RunConfig:
 def cores_given(config: RunConfig, cpu_count: int | None, usable_cores: int) -> dict:
     """The CPU each role is given (processes x torch threads; automatic threads as `asyncrl run` resolves them
     on `usable_cores`) and what the machine has: a run's demand vs supply."""
-    from workers.cores import split_cores
+    from pipeline.config import threads_on
 
-    trainer, rollout = split_cores(
-        config.cores or usable_cores,
-        config.trainer.ranks,
-        config.rollout.workers,
-        config.trainer.threads,
-        config.rollout.threads,
-    )
+    trainer, rollout = threads_on(usable_cores, config)
     roles = {
         "rollout": {"processes": config.rollout.workers, "threads": rollout},
         "trainer": {"processes": config.trainer.ranks, "threads": trainer},

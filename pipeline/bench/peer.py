@@ -109,7 +109,7 @@ def grpo_settings(config: RunConfig, eval_every: int, out_dir: Path) -> dict:
         "max_grad_norm": optim.grad_clip,
         "num_iterations": 1,
         "epsilon": loss.clip_eps,
-        "epsilon_high": loss.clip_eps_high or None,
+        "epsilon_high": loss.clip_eps_high,
         "beta": loss.kl_coef,
         "loss_type": LOSS_TYPES[loss.aggregation],
         "scale_rewards": REWARD_SCALING[loss.advantage],

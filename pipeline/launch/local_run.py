@@ -67,7 +67,7 @@ class LocalRun:
 
         if self.config.model.device == "cpu":  # a CUDA driver touched before a fork is unusable in the child
             self.start_fork_server(evaluates=eval_rows is not None)
-        if not self.config.broker.bootstrap or self.config.broker.embedded:  # embedded: a config.yaml run again
+        if self.config.launcher.embedded_broker:  # `on_one_machine`: none given, or a config.yaml run again
             self.start_broker(stops)
         self.config, self.config_path = prepare(self.config, progress)
         link_latest(self.run_dir)
@@ -136,7 +136,7 @@ class LocalRun:
         with StopSignals.held():  # a stop inside its Popen would leave it running unrecorded
             self.broker = EmbeddedBroker(self.run_dir / "broker.log").start()
         stops.watch(self.broker)
-        broker = msgspec.structs.replace(self.config.broker, bootstrap=self.broker.bootstrap, embedded=True)
+        broker = msgspec.structs.replace(self.config.broker, bootstrap=self.broker.bootstrap)
         self.config = msgspec.structs.replace(self.config, broker=broker)
         if self.resumed_from is not None:
             import_run_topics(self.config)

@@ -56,7 +56,7 @@ def resumable(run_dir: Path) -> tuple[RunConfig, int]:
     step = checkpoint_step(run_dir)
     if step is None:
         raise ConfigError(f"{run_dir} has no trainer checkpoint to resume from; start the run again")
-    if config.broker.embedded and not runtime.topics_export_path(config).is_file():
+    if config.launcher.embedded_broker and not runtime.topics_export_path(config).is_file():
         raise ConfigError(f"{run_dir} has no topics.export: the topics of its embedded broker are lost")
     return config, step
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 
 from pipeline.config import ConfigError, derived_weights_dir, load_config, resolve, save_config
-from schemas.config import RunConfig
+from schemas.config import AUTO, RunConfig
 from workers import runtime
 
 
@@ -23,8 +23,8 @@ def new_run_dir(config: RunConfig) -> RunConfig:
     disk is what `asyncrl export` and a resumed trainer take as the run's)."""
     checkpoint = config.trainer.checkpoint
     if checkpoint.weights_dir == derived_weights_dir(config):  # that run's own: derive the new run's
-        checkpoint = msgspec.structs.replace(checkpoint, weights_dir="")
-    elif checkpoint.weights_dir and (held := runtime.versions_on_disk(Path(checkpoint.weights_dir))):
+        checkpoint = msgspec.structs.replace(checkpoint, weights_dir=AUTO)
+    elif checkpoint.weights_dir != AUTO and (held := runtime.versions_on_disk(Path(checkpoint.weights_dir))):
         raise ConfigError(
             f"trainer.checkpoint.weights_dir {checkpoint.weights_dir} holds weight versions already (v{held[0]} to "
             f"v{held[-1]}, another run's): give this run an empty directory"
@@ -93,7 +93,7 @@ def prepare(config: RunConfig, progress: bool = True, deployment: bool = False) 
 
     Idempotent for deployments (compose, Slurm): a run directory that already has
     its config.yaml keeps it (and its model); the topics are ensured every time. A deployment's workers always
-    join their consumer groups (`broker.sole_consumers` false), whatever the config it was prepared from says.
+    join their consumer groups (`launcher.sole_consumers` false), whatever the config it was prepared from says.
     Returns the resolved config and its path.
     """
     from pipeline.preflight import check_workflow, preflight
@@ -107,6 +107,10 @@ def prepare(config: RunConfig, progress: bool = True, deployment: bool = False) 
     else:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         config = msgspec.structs.replace(config, runs_dir=str(run_dir.parent))
+    if deployment:  # its workers of a role may be scaled: each joins the role's consumer group
+        config = msgspec.structs.replace(
+            config, launcher=msgspec.structs.replace(config.launcher, cores=0, sole_consumers=False)
+        )
     config = resolve(config)  # the task's defaults (warm-up steps) before the demo model is built
     check_workflow(config)
     if not config.model.path:
@@ -125,8 +129,6 @@ def prepare(config: RunConfig, progress: bool = True, deployment: bool = False) 
         )
         config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=str(model_dir)))
     config = resolve(config)
-    if deployment:  # its workers of a role may be scaled: each joins the role's consumer group
-        config = msgspec.structs.replace(config, broker=msgspec.structs.replace(config.broker, sole_consumers=False))
     preflight(config)  # what would crash-loop the workers, as one line with the fix, before any starts
     create_key(run_dir)  # once: the trainer signs every weight announcement with it (workers.announce)
     layout = runtime.topic_layout(config)  # every time: a broker may have lost its topics

@@ -90,7 +90,6 @@ def async_run(broker, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, s
         prefix,
         f"trainer.max_staleness={ETA}",
         "telemetry.sample_ratio=1",
-        "cores=2",
         "profile.roles=[trainer,rollout]",
         "profile.start=2",
         "profile.steps=2",

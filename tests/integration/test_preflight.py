@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 
 import pytest
 import torch
@@ -148,3 +149,19 @@ def test_asyncrl_prepare_says_it_in_one_line(tmp_path, capsys):
         f"asyncrl: model.path {tmp_path / 'nowhere'}: no Hugging Face model there (no config.json): give a local "
         "directory\n"
     )
+
+
+REWARD_FILE = "def score(prompt, completion, metadata):\n    return float(completion == metadata['answer'])\n"
+
+
+@pytest.mark.parametrize("form", ["path/to/file.py:fn", "module:fn"])
+def test_a_reward_function_of_your_own_passes_by_file_or_by_module_beside_you(
+    tmp_path, demo_model_dir, monkeypatch, form
+):
+    """Found as `asyncrl eval` and `replay` find it, and as the run's workers do (`python -m`, in this directory)."""
+    (tmp_path / "my_preflight_reward.py").write_text(REWARD_FILE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "my_preflight_reward", raising=False)
+    spec = f"{tmp_path}/my_preflight_reward.py:score" if form == "path/to/file.py:fn" else "my_preflight_reward:score"
+    preflight(config_for(tmp_path, demo_model_dir, f"data.reward={spec}"))

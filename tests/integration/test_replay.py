@@ -234,9 +234,10 @@ def test_rescore_with_a_bad_reward_is_one_clear_line(
         ),
         (
             "reward_plugins",
-            "--reward: data.reward 'reward_plugins': use 'builtin', 'math', 'code' or 'module:function'",
+            "--reward: data.reward 'reward_plugins': use builtin, math, code, path/to/file.py:function or "
+            "module:function",
         ),
-        ("broken_reward:judge", "--reward: SyntaxError: "),
+        ("broken_reward:judge", "--reward: reward function 'broken_reward:judge' cannot be loaded: invalid syntax"),
     ]:
         assert main(["replay", "rescore", "--reward", reward, "--config", str(run_config)]) == 2
         err = capsys.readouterr().err

@@ -1,13 +1,17 @@
 """Config loading: every shipped config loads, overrides apply, bad values are named clearly."""
 
+import os
+import re
 from pathlib import Path
 
+import msgspec
 import pytest
 import yaml
 
 import pipeline
 from pipeline.cli import main
-from pipeline.config import LEGACY_NAMES, ConfigError, explain, load_config, on_one_machine, resolve, save_config
+from pipeline.config import ConfigError, explain, load_config, on_one_machine, resolve, save_config
+from schemas.config import LauncherState
 
 SHIPPED = sorted((Path(pipeline.__file__).parent / "configs").glob("*.yaml"))
 
@@ -38,9 +42,7 @@ def test_round_trip_through_yaml(tmp_path):
         ("trainer.lrr=1", "unknown field `lrr` - at `$.trainer`"),
         ("trainer.optim.lrr=1", "unknown field `lrr` - at `$.trainer.optim`"),
         ("trainer.optim.lr=-1", "at `$.trainer.optim.lr`"),
-        ("trainer.lr=-1", "at `$.trainer.optim.lr`"),  # an old name fails where it lives now
         ("trainer.loss.objective=ppo2", "at `$.trainer.loss.objective`"),
-        ("trainer.microbatch=random", "at `$.trainer.microbatch.mode`"),
         ("rollout.top_p=0", "at `$.rollout.top_p`"),
         ("name=a/b", "plain directory name"),
         ("data.reward=nonsense", "module:function"),
@@ -85,9 +87,13 @@ def test_bad_yaml_file_is_named(tmp_path):
         load_config(tmp_path / "missing.yaml")
 
 
-def test_every_field_is_described():
+def test_every_field_is_described_in_one_or_two_sentences():
+    """Longer explanations belong in the docs, which a description names as `(docs: Page)`."""
     for line in explain(load_config()).splitlines():
-        assert line.split("# ", 1)[1].strip(), f"undocumented field: {line}"
+        description = line.split("# ", 1)[1].strip()
+        assert description, f"undocumented field: {line}"
+        assert len(description) <= 200, f"over 200 characters: {line}"
+        assert len(re.findall(r"[.!?]\s+[A-Z]", description)) <= 1, f"over two sentences: {line}"
 
 
 def test_dry_run_shows_the_values_that_run(capsys, tmp_path):
@@ -115,38 +121,34 @@ def test_fetch_wait_follows_the_staleness_bound_unless_set():
 
 
 def test_a_role_s_only_worker_reads_alone_under_asyncrl_run_only():
-    sole = lambda config: config.broker.sole_consumers  # noqa: E731
-    assert sole(resolve(on_one_machine(load_config(None, [])))) is True  # the launcher starts every worker
-    assert sole(resolve(on_one_machine(load_config(None, ["broker.sole_consumers=false"])))) is False
-    assert sole(resolve(load_config(None, []))) is False  # compose or Slurm: a role's workers may be scaled
-    assert sole(resolve(load_config(None, ["broker.sole_consumers=true"]))) is True
+    assert resolve(on_one_machine(load_config())).launcher.sole_consumers is True  # the launcher starts every worker
+    assert resolve(load_config()).launcher.sole_consumers is False  # compose or Slurm: a role's workers may scale
 
 
-# Every old name with a value it can take, and that value where the name lives now.
-OLD = {
-    "trainer.lr": 3e-4,
-    "trainer.weight_decay": 0.1,
-    "trainer.grad_clip": 0.5,
-    "trainer.minibatches": 2,
-    "trainer.objective": "naive",
-    "trainer.advantage": "rloo",
-    "trainer.clip_eps": 0.3,
-    "trainer.clip_eps_high": 0.4,
-    "trainer.behaviour_weight_cap": 2.0,
-    "trainer.behaviour_weight_mode": "mask",
-    "trainer.behaviour_weight_level": "sequence",
-    "trainer.loss_aggregation": "seq_mean",
-    "trainer.kl_coef": 0.01,
-    "trainer.microbatch": "fixed",
-    "trainer.max_tokens_per_microbatch": 64,
-    "trainer.min_microbatches": 2,
-    "trainer.microbatches_fixed": 3,
-    "trainer.checkpoint_every": 7,
-    "trainer.keep_checkpoints": 5,
-    "trainer.keep_versions": 6,
-    "trainer.weights_dir": "/shared/w",
-    "trainer.warmup_steps": 0,
-}
+@pytest.mark.parametrize("name", ["cores=2", "broker.embedded=true", "broker.sole_consumers=false"])
+def test_launcher_state_given_by_a_config_is_one_line_saying_whose_it_is(tmp_path, name):
+    key = name.partition("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)} is the launcher's, not a config's: "):
+        load_config(None, [name])
+    section, _, field = key.rpartition(".")
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump({section: {field: 2}} if section else {field: 2}))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)} is the launcher's, not a config's \(in {path}\): "):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"^launcher is what a launcher writes into a run's config.yaml"):
+        load_config(None, ["launcher.sole_consumers=true"])
+
+
+def test_a_run_s_config_yaml_run_again_gets_its_launcher_state_anew(tmp_path):
+    """`asyncrl run runs/latest/config.yaml`: that run's cores and embedded broker are not this run's."""
+    config = resolve(on_one_machine(load_config(None, [f"runs_dir={tmp_path}"])))
+    save_config(config, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == config  # as its workers read it
+    ran = msgspec.structs.replace(config, launcher=LauncherState(cores=99, embedded_broker=True, sole_consumers=False))
+    ran = msgspec.structs.replace(ran, broker=msgspec.structs.replace(ran.broker, bootstrap="127.0.0.1:9"))
+    again = on_one_machine(ran).launcher
+    assert again.cores == len(os.sched_getaffinity(0)) and again.sole_consumers and again.embedded_broker
+    assert not on_one_machine(resolve(load_config(None, ["broker.bootstrap=kafka:9092"]))).launcher.embedded_broker
 
 
 def value_at(config, dotted: str):
@@ -155,33 +157,41 @@ def value_at(config, dotted: str):
     return config
 
 
-def test_the_old_names_are_all_tested():
-    assert OLD.keys() == LEGACY_NAMES.keys()
+# Every name an older config may use, and the name to write now.
+OLD = {
+    **{f"trainer.{name}": f"trainer.optim.{name}" for name in ("lr", "weight_decay", "grad_clip", "minibatches")},
+    **{
+        f"trainer.{name}": f"trainer.loss.{name}"
+        for name in (
+            *("objective", "advantage", "clip_eps", "clip_eps_high", "kl_coef"),
+            *("behaviour_weight_cap", "behaviour_weight_mode", "behaviour_weight_level"),
+        )
+    },
+    "trainer.loss_aggregation": "trainer.loss.aggregation",
+    "trainer.microbatch": "trainer.microbatch.mode",
+    "trainer.max_tokens_per_microbatch": "trainer.microbatch.max_tokens",
+    "trainer.min_microbatches": "trainer.microbatch.min_count",
+    "trainer.microbatches_fixed": "trainer.microbatch.fixed_count",
+    "trainer.checkpoint_every": "trainer.checkpoint.every",
+    "trainer.keep_checkpoints": "trainer.checkpoint.keep",
+    "trainer.keep_versions": "trainer.checkpoint.keep_versions",
+    "trainer.weights_dir": "trainer.checkpoint.weights_dir",
+    "trainer.warmup_steps": "model.warmup_steps",
+}
 
 
-def test_old_names_in_overrides_map_to_their_new_place_with_one_line_each(capsys):
-    config = load_config(None, [f"{old}={value}" for old, value in OLD.items()] + ["trainer.lr=5e-4"])
-    for old, value in OLD.items():
-        assert value_at(config, LEGACY_NAMES[old]) == (5e-4 if old == "trainer.lr" else value), old
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == len(OLD)  # trainer.lr twice: one line
-    assert "asyncrl: trainer.lr is now trainer.optim.lr (the old name still works)" in lines
-    assert "asyncrl: trainer.microbatch is now trainer.microbatch.mode (the old name still works)" in lines
+@pytest.mark.parametrize("old, new", OLD.items(), ids=list(OLD))
+def test_an_old_name_is_one_line_naming_the_new_one(tmp_path, old, new):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(old)} was renamed: use {re.escape(new)}$"):
+        load_config(None, [f"{old}=1"])
+    section, key = old.split(".")
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump({section: {key: 1}}))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(old)} was renamed: use {re.escape(new)} \(in {path}\)$"):
+        load_config(path)
 
 
-def test_a_config_file_an_older_version_wrote_loads(tmp_path, capsys):
-    old = {"trainer": {**{k.split(".")[1]: v for k, v in OLD.items()}, "steps": 9}}
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(old))
-    config = load_config(path, ["trainer.microbatch.max_tokens=32"])
-    assert config.trainer.steps == 9 and config.trainer.microbatch.max_tokens == 32
-    for name, value in OLD.items():
-        if name != "trainer.max_tokens_per_microbatch":
-            assert value_at(config, LEGACY_NAMES[name]) == value, name
-    assert "trainer.keep_checkpoints is now trainer.checkpoint.keep" in capsys.readouterr().err
-
-
-def test_new_names_load_quietly(capsys):
+def test_a_section_s_new_names_load():
     config = load_config(
         None,
         [
@@ -194,14 +204,7 @@ def test_new_names_load_quietly(capsys):
     )
     assert (config.trainer.microbatch.mode, config.trainer.microbatch.fixed_count) == ("fixed", 4)
     assert config.trainer.checkpoint.every == 3 and config.trainer.loss.aggregation == "token_sum_norm"
-    assert config.model.warmup_steps == 0 and capsys.readouterr().err == ""
-
-
-def test_an_old_and_a_new_name_for_one_setting_in_a_file_is_an_error(tmp_path):
-    path = tmp_path / "both.yaml"
-    path.write_text("trainer:\n  lr: 1.0e-3\n  optim:\n    lr: 2.0e-3\n")
-    with pytest.raises(ConfigError, match=r"sets both trainer\.lr and trainer\.optim\.lr"):
-        load_config(path)
+    assert config.model.warmup_steps == 0
 
 
 @pytest.mark.parametrize("where", ["override", "file"])
@@ -209,7 +212,7 @@ def test_a_retired_name_says_what_replaces_it(tmp_path, where):
     path = tmp_path / "old.yaml"
     path.write_text("rollout:\n  recompute_cache: false\n" if where == "file" else "{}\n")
     overrides = ["rollout.recompute_cache=false"] if where == "override" else []
-    with pytest.raises(ConfigError, match=r"rollout\.recompute_cache is retired: use rollout\.cache_lag \("):
+    with pytest.raises(ConfigError, match=r"rollout\.recompute_cache was renamed: use rollout\.cache_lag \("):
         load_config(path, overrides)
 
 
@@ -222,3 +225,38 @@ def test_shipped_configs_run_by_name():
         assert config.data.task == name and config.name == name
     with pytest.raises(ConfigError, match="neither a config file nor a shipped config"):
         config_file("nosuch")
+
+
+OLD_SPELLINGS = {
+    "broker.fetch_wait_ms": "0",
+    "model.warmup_steps": "null",
+    "data.eval_source": "",
+    "rollout.max_new_tokens": "0",
+    "rollout.cache_lag": "null",
+    "rollout.threads": "0",
+    "trainer.threads": "0",
+    "trainer.loss.clip_eps_high": "0.0",
+    "trainer.checkpoint.weights_dir": "",
+}
+
+
+@pytest.mark.parametrize("name, old", OLD_SPELLINGS.items(), ids=list(OLD_SPELLINGS))
+def test_automatic_is_spelled_auto_and_an_old_spelling_is_one_line(name, old):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(name)}=.*: an automatic value is spelled {name}=auto$"):
+        load_config(None, [f"{name}={old}"])
+    assert value_at(load_config(None, [f"{name}=auto"]), name) == "auto"
+
+
+def test_a_zero_that_means_zero_stays_a_zero():
+    zeros = ["model.warmup_steps=0", "rollout.cache_lag=0", "rollout.top_k=0", "reward.processes=0", "eval.every=0"]
+    config = resolve(load_config(None, zeros))
+    assert (config.model.warmup_steps, config.rollout.cache_lag, config.reward.processes) == (0, 0, 0)
+
+
+def test_resolve_leaves_nothing_automatic():
+    for config in (load_config(), load_config(None, ["data.source=rows.jsonl", "data.reward=math", "model.path=m"])):
+        resolved = resolve(on_one_machine(config))
+        assert "'auto'" not in explain(resolved) and resolve(resolved) == resolved
+    assert resolved.data.eval_source == "none"
+    assert resolve(load_config()).data.eval_source == "builtin"
+    assert resolve(load_config(None, ["trainer.loss.clip_eps=0.3"])).trainer.loss.clip_eps_high == 0.3

@@ -7,8 +7,10 @@ import time
 from pathlib import Path
 
 import pytest
+from msgspec.structs import replace
 
 from pipeline.config import load_config, on_one_machine, resolve
+from schemas.config import LauncherState
 from workers.cores import lower_priority, restore_priority, split_cores
 
 
@@ -41,13 +43,17 @@ def test_given_threads_are_kept_and_the_other_role_gets_the_rest(cores, given, e
     assert split_cores(*cores, *given) == expected
 
 
-def test_threads_0_are_resolved_from_the_runs_cores_and_given_ones_kept():
-    config = resolve(load_config(None, ["cores=6", "rollout.workers=2", "broker.partitions=2"]))
+def on_cores(cores: int, *overrides: str):
+    """A resolved config whose launcher has `cores` (0: a deployment)."""
+    return resolve(replace(load_config(None, list(overrides)), launcher=LauncherState(cores=cores)))
+
+
+def test_automatic_threads_are_resolved_from_the_launcher_s_cores_and_given_ones_kept():
+    config = on_cores(6, "rollout.workers=2", "broker.partitions=2")
     assert (config.trainer.threads, config.rollout.threads) == (2, 2)
-    config = resolve(load_config(None, ["cores=6", "trainer.threads=1"]))
+    config = on_cores(6, "trainer.threads=1")
     assert (config.trainer.threads, config.rollout.threads) == (1, 5)  # the rest to the other role
-    assert on_one_machine(load_config(None, ["cores=5"])).cores == 5  # given: kept
-    assert on_one_machine(load_config(None, [])).cores == len(os.sched_getaffinity(0))  # asyncrl run: the launcher's
+    assert on_one_machine(load_config()).launcher.cores == len(os.sched_getaffinity(0))  # asyncrl run: its own
     deployment = resolve(load_config(None, []))  # cores 0: compose or Slurm replicas, whose cores are unknown here
     assert (deployment.trainer.threads, deployment.rollout.threads) == (1, 1)
 

@@ -117,7 +117,7 @@ def test_greedy_only_summary_has_no_sampled_numbers(demo_model_dir: Path, tmp_pa
 
 
 def test_a_dataset_file_without_eval_source_has_no_evaluation(demo_model_dir: Path, tmp_path: Path) -> None:
-    config = own_jsonl_config(demo_model_dir, tmp_path, "data.eval_source=")
+    config = own_jsonl_config(demo_model_dir, tmp_path, "data.eval_source=auto")  # a file: nothing held out
     assert rows_for_config(config) is None and Evaluator.for_config(config) is None
     assert "data.eval_source=" in NO_EVAL_SET
 

@@ -8,8 +8,10 @@ import json
 import socket
 from pathlib import Path
 
+import msgspec
 from test_worker_loops import config_for, publish, released, scored
 
+from schemas.config import LauncherState
 from schemas.messages import BatchManifest
 from topics.memory import MemoryTransport
 from topics.names import TopicLayout
@@ -22,8 +24,9 @@ async def test_a_checkpoint_whose_topics_cannot_be_exported_is_skipped(tmp_path:
     with socket.socket() as probe:  # a port nothing listens on: the embedded broker is gone
         probe.bind(("127.0.0.1", 0))
         gone = f"127.0.0.1:{probe.getsockname()[1]}"
-    settings = ("trainer.batch_groups=1", "trainer.steps=2", "trainer.checkpoint.every=1", "broker.embedded=true")
+    settings = ("trainer.batch_groups=1", "trainer.steps=2", "trainer.checkpoint.every=1")
     config = config_for(tmp_path, demo_model_dir, *settings, f"broker.bootstrap={gone}")
+    config = msgspec.structs.replace(config, launcher=LauncherState(embedded_broker=True))
     transport, groups = MemoryTransport(TopicLayout()), [released(n, 0) for n in range(2)]
     await publish(transport, *groups, *(scored(g, i, float(i)) for g in groups for i in (0, 1)))
     await asyncio.wait_for(trainer_worker.main(config, asyncio.Event(), transport), 60)

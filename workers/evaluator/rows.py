@@ -1,4 +1,4 @@
-"""A run's evaluation set: data.eval_source, else its task's held-out split. Free of torch: the launcher
+"""A run's evaluation set: data.eval_source (a file, or the task's held-out split). Free of torch: the launcher
 reads it before anything starts (a missing file is a config error then, not a failed evaluator later)."""
 
 from __future__ import annotations
@@ -32,18 +32,19 @@ def file_rows(path: str, what: str) -> list[Row]:
 
 
 def rows_for_config(config: RunConfig) -> list[Row] | None:
-    """A run's evaluation set: data.eval_source, else the task's held-out split for the task's own rows,
-    else None (a dataset file with no eval_source has nothing held out)."""
-    if config.data.eval_source:
-        rows = file_rows(config.data.eval_source, "data.eval_source")
-    elif config.data.source == "builtin":
+    """A run's evaluation set: the file data.eval_source names, the task's held-out split ('builtin'), or None
+    ('none')."""
+    source = config.data.eval_source_or_default()
+    if source == "none":
+        return None
+    if source == "builtin":
         rows = task_rows(config.data.task, config.seed, config.data.held_out)
     else:
-        return None
+        rows = file_rows(source, "data.eval_source")
     return rows[: config.eval.max_rows] if config.eval.max_rows else rows
 
 
 NO_EVAL_SET = (
-    "asyncrl: no evaluation set (data.source is a file and data.eval_source is empty): base and final accuracy "
+    "asyncrl: no evaluation set (data.eval_source is none): base and final accuracy "
     "stay null; add data.eval_source=held_out.jsonl (prompt/answer rows, JSONL or Parquet) to measure them"
 )

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -114,8 +112,6 @@ Scorer = Callable[[Row, str], tuple[float, str, str]]  # (score, answer key, err
 
 def make_scorer(reward: str, task: str) -> Scorer:
     """The run's verifier and answer key as one call that never raises: a failure scores 0 with its error."""
-    if os.getcwd() not in sys.path:  # as for the run's workers (`python -m`): reward modules beside you import
-        sys.path.insert(0, os.getcwd())
     try:
         verifier, key = functions.load(reward, task), functions.answer_key(reward, task)
     except Exception as exc:  # a user's module that fails to import is as unusable as a missing one

@@ -8,12 +8,12 @@ row's tests in the sandbox (`workers/reward/code.py`). This module runs inside t
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
 from typing import Any
 
 from schemas.validate import MAX_ABS_REWARD
+from workers.plugins import load_attribute
 from workers.reward.code import code_reward, extract_code
 from workers.tasks import load_task
 
@@ -30,7 +30,8 @@ def math_answer(prompt: str, completion: str, metadata: dict[str, str]) -> tuple
 
 
 def load(spec: str, task: str = "arith") -> RewardFn:
-    """'builtin' (the verifier of `task`, a data.task spec), 'math', 'code', or 'package.module:function'."""
+    """'builtin' (the verifier of `task`, a data.task spec), 'math', 'code', 'path/to/file.py:function' or
+    'package.module:function'."""
     if spec == "builtin":
         verifier = load_task(task)
         return lambda prompt, completion, metadata: verifier.score(completion, metadata["answer"])
@@ -38,11 +39,7 @@ def load(spec: str, task: str = "arith") -> RewardFn:
         return math_answer
     if spec == "code":
         return code_reward
-    module_name, _, attribute = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"reward function {spec!r} cannot be loaded: {exc}") from exc
+    fn = load_attribute(spec, "reward function", "builtin, math, code, path/to/file.py:function or module:function")
     if not callable(fn):
         raise ValueError(f"reward function {spec!r} is not callable")
     return fn

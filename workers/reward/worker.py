@@ -171,7 +171,7 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
             outbox,
             origin=ctx.id,
             group=REWARD_GROUP,
-            alone=bool(config.broker.sole_consumers),
+            alone=config.launcher.sole_consumers,
             max_records=512,
         ) as inbox,
     ):

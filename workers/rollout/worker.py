@@ -331,7 +331,7 @@ async def main(config: RunConfig, stop: asyncio.Event, transport: Transport | No
             outbox,
             origin=ctx.id,
             group=ROLLOUT_GROUP,
-            alone=bool(config.broker.sole_consumers) and config.rollout.workers == 1,
+            alone=config.launcher.sole_consumers and config.rollout.workers == 1,
             max_records=64,
         ) as prompts,
         ctx.transport.weights_follower(outbox, origin=ctx.id) as weights_inbox,

@@ -273,7 +273,7 @@ class Lead:
         manifests, the `scored` offsets, the weights announcements); one whose export fails is skipped."""
         st, config = self.state, self.ctx.config
         await self.published()  # the export below then holds the announcement of the version saved
-        if config.broker.embedded:
+        if config.launcher.embedded_broker:
             try:
                 prefix = config.broker.topic_prefix
                 await append_export(config.broker.bootstrap, runtime.topics_export_path(config), prefix)
