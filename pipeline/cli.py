@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dry-run", action="store_true", help="validate and print the resolved config, start nothing")
     run.add_argument("--explain", action="store_true", help="with --dry-run: list every field with its description")
     run.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    run.add_argument("--in-process", action="store_true", help="every role in this process, to read or debug")
     run.add_argument(
         "--resume",
         metavar="RUN_DIR",
@@ -512,6 +513,10 @@ def main(argv: list[str] | None = None) -> int:
             config = resolve(on_one_machine(config))
             print(RUN_DIR_NOTE + (explain(config) if args.explain else to_yaml(config)), end="")
             return 0
+        if args.in_process:
+            from pipeline.in_process import run_in_process
+
+            return run_in_process(config, progress=not args.no_progress)
         from pipeline.launch import run_pipeline
 
         return run_pipeline(config, progress=not args.no_progress)
