@@ -53,7 +53,7 @@ def run_in_process(config: RunConfig, progress: bool = True) -> int:
     traceback in full) once the summary is written."""
     started = time.time()
     check_dataset(config)
-    config, _ = prepare(one_process(new_run_dir(config)), progress)  # the demo model, the key, config.yaml
+    config, _ = prepare(new_run_dir(one_process(config)), progress)  # the demo model, the key, config.yaml
     run_dir = runtime.run_dir(config)
     link_latest(run_dir)
     monitor.note_start(run_dir)
