@@ -39,6 +39,7 @@ from workers.reward import worker as reward
 from workers.rollout import worker as rollout
 from workers.trainer import worker as trainer
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 ROLES = {  # each role's loop: what it reads -> what it writes
     "prompts": prompt_source.main,  # dataset rows, `weights` (the version to release at) -> `prompts`
     "rollout": rollout.main,  # `prompts`, `weights` (loaded between decode steps) -> `segments`
@@ -52,14 +53,15 @@ def run_in_process(config: RunConfig, progress: bool = True) -> int:
     0 once the trainer has made its last step, 128 + N after signal N, else 1; a role's error is raised (its
     traceback in full) once the summary is written."""
     started = time.time()
-    check_dataset(config)
-    config, _ = prepare(new_run_dir(one_process(config)), progress)  # the demo model, the key, config.yaml
+    check_dataset(config)  # a dataset without one usable row fails here, before anything is built
+    config, _ = prepare(new_run_dir(one_process(config)), progress)  # the run directory, demo model, config.yaml
     run_dir = runtime.run_dir(config)
-    link_latest(run_dir)
-    monitor.note_start(run_dir)
+    link_latest(run_dir)  # runs/latest
+    monitor.note_start(run_dir)  # metrics.jsonl's first line; every role appends its own after it
     print(f"asyncrl: run directory {run_dir}, every role in this process", file=sys.stderr)
     ending = asyncio.run(run_roles(config))
-    summary = export_final(run_dir, monitor.finish(config, run_dir, ending.outcome, started, reason=ending.reason))
+    summary = monitor.finish(config, run_dir, ending.outcome, started, reason=ending.reason)  # from metrics.jsonl
+    summary = export_final(run_dir, summary)  # the last version as a Hugging Face model in final-model/
     print(json.dumps(summary, indent=2))
     if ending.error is not None:
         raise ending.error
@@ -83,6 +85,7 @@ async def run_roles(config: RunConfig) -> Ending:
     loop = asyncio.get_running_loop()
     for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, stopped_by, signal.Signals(signum), stop, ending)
+    # at a breakpoint, what a topic holds: `transport.broker.messages("scored", Scored)`
     tasks = {role: asyncio.create_task(main(config, stop, transport), name=role) for role, main in ROLES.items()}
     running = {*tasks.values(), asyncio.create_task(stop.wait())}
     while not (stop.is_set() or tasks["trainer"].done() or tasks["reward"].done()):
@@ -98,9 +101,6 @@ async def run_roles(config: RunConfig) -> Ending:
         if isinstance(result, BaseException) and ending.error is None:
             ending = Ending("failed", f"{role}: {type(result).__name__}: {result}", 1, result)
     return ending
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def stopped_by(signum: signal.Signals, stop: asyncio.Event, ending: Ending) -> None:
