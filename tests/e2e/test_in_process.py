@@ -11,6 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+from msgspec.structs import replace
+
+from pipeline.config import ConfigError, load_config
+from pipeline.in_process import one_process
+from workers.cores import cores_here
 
 pytestmark = pytest.mark.e2e
 
@@ -71,9 +76,10 @@ def test_in_process_run_stops_cleanly_on_ctrl_c(tmp_path):
     assert (summary["outcome"], summary["reason"]) == ("stopped", "SIGINT received") and 0 < summary["steps"] < 1000
 
 
-def test_in_process_run_refuses_more_than_one_worker_per_role(tmp_path):
-    done = subprocess.run(
-        in_process(tmp_path, "rollout.workers=2", "broker.partitions=2"), capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 2 and "--in-process runs one worker per role" in done.stderr, done.stderr
-    assert not (tmp_path / "runs").exists()  # refused before a run directory was made
+def test_in_process_run_refuses_more_than_one_worker_per_role_and_shares_the_cores():
+    config = load_config(None, ["broker.bootstrap=localhost:9092", "broker.partitions=2"])
+    with pytest.raises(ConfigError, match="--in-process runs one worker per role"):
+        one_process(replace(config, rollout=replace(config.rollout, workers=2)))
+    alone = one_process(config)
+    assert alone.broker.bootstrap == "" and not alone.eval.enabled  # no broker, no evaluator process
+    assert alone.trainer.threads == alone.rollout.threads == max(1, cores_here() // 2)
