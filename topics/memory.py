@@ -1,10 +1,11 @@
-"""The transport in one process's memory: for fast unit tests of worker loops, never for runs.
+"""The transport in one process's memory: for fast unit tests of worker loops, and for every role run in one
+process (`asyncrl run --in-process`), never between processes.
 
 Same `Inbox`/`Outbox` as the Kafka transport; records are kept per topic and
 partition (a key always lands on the same partition), every send is delivered
 at once, and a consumer group has one member that owns every partition and starts
 at the group's committed offsets, so a test can stop a worker and start another
-one where the first left off. Integration and e2e tests use the real broker.
+one where the first left off. Integration and e2e tests of worker processes use the real broker.
 """
 
 from __future__ import annotations

@@ -65,7 +65,9 @@ def worker_id(role: str) -> str:
 
 
 def configure_logging(log_path: Path) -> structlog.stdlib.BoundLogger:
-    """structlog as JSON lines into the worker's own log file (and warnings to stderr)."""
+    """structlog as JSON lines into the worker's own log file (and warnings to stderr), where the process's
+    other loggers write too. The worker's lines go through a logger of the file's own, so that roles run in
+    one process (`asyncrl run --in-process`) keep their files apart."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(log_path)
     handler.setFormatter(logging.Formatter("%(message)s"))
@@ -75,6 +77,8 @@ def configure_logging(log_path: Path) -> structlog.stdlib.BoundLogger:
     root = logging.getLogger()
     root.handlers[:] = [handler, stderr]
     root.setLevel(logging.INFO)
+    own = logging.getLogger(f"asyncrl.{log_path.stem}")
+    own.handlers[:], own.propagate = [handler, stderr], False
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,
@@ -85,7 +89,7 @@ def configure_logging(log_path: Path) -> structlog.stdlib.BoundLogger:
         logger_factory=structlog.stdlib.LoggerFactory(),
         cache_logger_on_first_use=True,
     )
-    return structlog.get_logger()
+    return structlog.get_logger(own.name)
 
 
 class JsonLines:
@@ -125,8 +129,9 @@ class JsonlSpanExporter(SpanExporter):
         return SpanExportResult.SUCCESS
 
 
-def configure_tracing(config: RunConfig, role: str) -> None:
-    """A tracer provider for this process: OTLP/HTTP when an endpoint is configured
+def configure_tracing(config: RunConfig, role: str) -> trace.Tracer:
+    """The worker's tracer, from a provider of its own (roles run in one process, `asyncrl run --in-process`,
+    keep their service names): OTLP/HTTP when an endpoint is configured
     (`telemetry.otlp_endpoint`, else the standard OTEL_EXPORTER_OTLP_ENDPOINT), else
     <run dir>/traces.jsonl.
 
@@ -134,7 +139,6 @@ def configure_tracing(config: RunConfig, role: str) -> None:
     by every child, so a sampled prompt is traced whole. Buffered spans are flushed
     when the process exits.
     """
-    from opentelemetry import trace
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -152,7 +156,7 @@ def configure_tracing(config: RunConfig, role: str) -> None:
         sampler=ParentBased(TraceIdRatioBased(config.telemetry.sample_ratio)),
     )
     provider.add_span_processor(BatchSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
+    return provider.get_tracer(f"asyncrl.{role}")
 
 
 ORPHAN_GRACE_S = 5.0  # how long a worker whose launcher died may take to stop: no one will SIGKILL it
@@ -217,8 +221,7 @@ class WorkerContext:
         """Logging into <run dir>/logs/<id>.jsonl, tracing, and the transport (Kafka unless one is given)."""
         me = worker_id(role)
         log = configure_logging(run_dir(config) / "logs" / f"{me}.jsonl")
-        configure_tracing(config, role)
-        return cls(config, role, me, log, trace.get_tracer(f"asyncrl.{role}"), transport or kafka_transport(config))
+        return cls(config, role, me, log, configure_tracing(config, role), transport or kafka_transport(config))
 
     @property
     def run_dir(self) -> Path:

@@ -14,6 +14,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--explain", action="store_true", help="with --dry-run: list every field with its description")
     add_no_progress(run, "no progress bar (logs only)")
     run.add_argument(
+        "--in-process", action="store_true", help="every role in this process, to read or debug (pipeline/in_process.py)"
+    )
+    run.add_argument(
         "--resume",
         metavar="RUN_DIR",
         help="continue a stopped, failed or killed run from its last checkpoint, with its own config.yaml "
@@ -32,6 +35,10 @@ def handle(args: argparse.Namespace) -> int:
         config = resolve(on_one_machine(config))
         print(RUN_DIR_NOTE + (explain(config) if args.explain else to_yaml(config)), end="")
         return 0
+    if args.in_process:
+        from pipeline.in_process import run_in_process
+
+        return run_in_process(config, progress=not args.no_progress)
     from pipeline.launch.local_run import run_pipeline
 
     return run_pipeline(config, progress=not args.no_progress)
@@ -44,6 +51,8 @@ def resume(args: argparse.Namespace) -> int:
     from pipeline.config import ConfigError
     from pipeline.launch.local_run import resume_pipeline
 
-    if args.config or args.overrides or args.dry_run:
-        raise ConfigError("--resume runs the run's own config.yaml: give no config, override or --dry-run with it")
+    if args.config or args.overrides or args.dry_run or args.in_process:
+        raise ConfigError(
+            "--resume runs the run's own config.yaml: give no config, override, --dry-run or --in-process with it"
+        )
     return resume_pipeline(Path(args.resume), progress=not args.no_progress)

@@ -132,8 +132,9 @@ def prepare(config: RunConfig, progress: bool = True, deployment: bool = False) 
     preflight(config)  # what would crash-loop the workers, as one line with the fix, before any starts
     create_key(run_dir)  # once: the trainer signs every weight announcement with it (workers.announce)
     layout = runtime.topic_layout(config)  # every time: a broker may have lost its topics
-    try:
-        asyncio.run(ensure_topics(config.broker.bootstrap, layout.names, layout.partitions))
+    try:  # none without a broker: the in-process run's topics are in its memory
+        if config.broker.bootstrap:
+            asyncio.run(ensure_topics(config.broker.bootstrap, layout.names, layout.partitions))
     except BrokerUnreachable:
         raise ConfigError(
             f"no broker answers at broker.bootstrap={config.broker.bootstrap}: start it, or leave "
