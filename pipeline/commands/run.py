@@ -14,7 +14,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     run.add_argument("--explain", action="store_true", help="with --dry-run: list every field with its description")
     add_no_progress(run, "no progress bar (logs only)")
     run.add_argument(
-        "--in-process", action="store_true", help="every role in this process, to read or debug (pipeline/in_process.py)"
+        "--in-process",
+        action="store_true",
+        help="every role in this process, to read or debug (pipeline/in_process.py)",
     )
     run.add_argument(
         "--resume",
