@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from system_packages import apt_install
 
+from tests.system_packages import apt_install
 from topics.admin import ensure_topics
 from topics.broker import EmbeddedBroker
 from topics.names import TopicLayout

@@ -267,7 +267,7 @@ async def test_two_fsdp2_ranks_train_the_stream_like_one_process(broker, tmp_pat
     ]
     expected, got = final_weights(tmp_path / "runs" / one), final_weights(tmp_path / "runs" / two)
     assert expected.keys() == got.keys()
-    # Two ranks sum in another order than one process (one step: within 2e-6, tests/unit/test_distributed.py);
+    # Two ranks sum in another order than one process (one step: within 2e-6, tests/unit/workers/trainer/test_distributed.py);
     # at lr 1e-2 Adam turns such rounding on near-zero gradients into full-size steps, compounded over the run
     # (1.3e-5 measured on a key bias). A lost optimizer state or a step trained twice moves weights by ~lr.
     for key in expected:

@@ -36,10 +36,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from system_packages import apt_install
 
 from pipeline.chaos.audit import audit_export, decoded
 from schemas.messages import BatchManifest, Segment
+from tests.system_packages import apt_install
 from topics.broker import die_with_parent
 from topics.export import ExportError, load_export
 from workers.announce import load_key

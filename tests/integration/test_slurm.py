@@ -33,12 +33,12 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from system_packages import apt_install
 
 from pipeline.chaos.audit import audit_export
 from pipeline.config import load_config
 from pipeline.retrain import load_record, retrain
 from schemas.messages import BatchManifest, WeightVersion, decode
+from tests.system_packages import apt_install
 from topics.export import export_topics, load_export
 from workers.announce import load_key
 

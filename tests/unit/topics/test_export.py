@@ -166,13 +166,13 @@ def test_an_append_after_this_processs_own_goes_on_without_reading_the_file(two_
 def test_a_chunk_another_process_appended_is_read_before_the_next_append(two_chunks: Path) -> None:
     """The launcher appends when the run stops: a process that appended before must see that chunk."""
     other = (
-        "import sys; from pathlib import Path; sys.path[:0] = [sys.argv[2], sys.argv[3]];"
-        "from test_export_file import HEADER, record, reward_group; from topics.export import ExportAppender\n"
+        "import sys; from pathlib import Path; sys.path[:0] = [sys.argv[2]];"
+        "from tests.unit.topics.test_export import HEADER, record, reward_group; from topics.export import ExportAppender\n"
         "with ExportAppender(Path(sys.argv[1])) as appender:\n"
         "    appender.append(HEADER, [record('scored', 1, 2)], [reward_group(6)])\n"
     )
-    root = Path(__file__).resolve().parents[2]
-    subprocess.run([sys.executable, "-c", other, str(two_chunks), str(Path(__file__).parent), str(root)], check=True)
+    root = Path(__file__).resolve().parents[3]
+    subprocess.run([sys.executable, "-c", other, str(two_chunks), str(root)], check=True)
     with ExportAppender(two_chunks) as appender:
         assert appender.next_offsets() == {"batches": {0: 1}, "scored": {0: 3, 1: 3}}
         appender.append(HEADER, [record("scored", 0, 3)], [reward_group(7)])

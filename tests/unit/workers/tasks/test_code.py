@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from fixed_draws import Draws
 
 from pipeline.config import ConfigError, load_config, resolve
+from tests.unit.workers.tasks.fixed_draws import Draws
 from workers.rows import load_rows
 from workers.tasks import EOS_TEXT
 from workers.tasks.code import (

@@ -8,9 +8,8 @@ import json
 import socket
 from pathlib import Path
 
-from test_worker_loops import config_for, publish, released, scored
-
 from schemas.messages import BatchManifest
+from tests.unit.workers.test_worker_loops import config_for, publish, released, scored
 from topics.memory import MemoryTransport
 from topics.names import TopicLayout
 from workers import runtime

@@ -4,8 +4,8 @@ import copy
 
 import pytest
 import torch
-from message_examples import SCORED, SCORED_TOOL
 
+from tests.message_examples import SCORED, SCORED_TOOL
 from workers.trainer.losses import LossSettings, decoupled_ppo_loss
 from workers.trainer.microbatch import allocator
 from workers.trainer.model import trained_versions

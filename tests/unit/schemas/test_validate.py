@@ -14,7 +14,6 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from message_examples import FIRST, GROUP, LATER, MANIFEST, SCORED, TOOL, VALID, WEIGHTS
 
 from schemas import messages
 from schemas.messages import (
@@ -30,6 +29,7 @@ from schemas.messages import (
     encode,
 )
 from schemas.validate import MAX_ABS_REWARD, MAX_SAMPLES, MAX_TOKEN_ID, problems
+from tests.message_examples import FIRST, GROUP, LATER, MANIFEST, SCORED, TOOL, VALID, WEIGHTS
 
 
 def problems_after(message: Message, **changes: Any) -> list[str]:

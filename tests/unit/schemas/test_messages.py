@@ -2,7 +2,6 @@
 
 import msgspec
 import pytest
-from message_examples import FIRST, GROUP, SCORED, SCORED_TOOL, VALID, WEIGHTS
 
 from schemas.messages import (
     READABLE_VERSIONS,
@@ -16,6 +15,7 @@ from schemas.messages import (
     decode,
     encode,
 )
+from tests.message_examples import FIRST, GROUP, SCORED, SCORED_TOOL, VALID, WEIGHTS
 
 EXAMPLES = VALID
 

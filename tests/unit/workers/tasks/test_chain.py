@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from fixed_draws import Draws
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from math_verify import parse, verify
 
+from tests.unit.workers.tasks.fixed_draws import Draws
 from workers.tasks import EOS_TEXT
 from workers.tasks.chain import Chain, teacher_solution, worked_solution
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from test_worker_loops import GROUP, announce, config_for, wait_for
 
 from pipeline.demo_model import build_model, build_tokenizer
 from schemas.messages import Segment
+from tests.unit.workers.test_worker_loops import GROUP, announce, config_for, wait_for
 from topics.memory import MemoryTransport
 from topics.names import TopicLayout
 from workers.rollout import worker as rollout_worker

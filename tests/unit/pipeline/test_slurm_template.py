@@ -8,7 +8,7 @@ from pathlib import Path, PurePosixPath
 
 from pipeline import slurm
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # the names render() passes to JobTemplate.substitute
 FIELDS = {
     "sbatch_options",
