@@ -5,8 +5,6 @@ copy. No broker: the chunks are written with `ExportAppender` directly."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -48,10 +46,8 @@ def places(records) -> list[tuple[int, int]]:
     return [(r.partition, r.offset) for r in records]
 
 
-@pytest.fixture
-def two_chunks(tmp_path: Path) -> Path:
+def write_two_chunks(path: Path) -> Path:
     """Chunk 1: scored 0:0, 0:1, 1:0 and batches 0:0; chunk 2: scored 1:1, 0:2 (partitions interleaved)."""
-    path = tmp_path / "topics.export"
     with ExportAppender(path) as appender:
         assert appender.header is None and appender.next_offsets() == {}
         chunk = [record("batches", 0, 0), record("scored", 0, 0), record("scored", 0, 1), record("scored", 1, 0)]
@@ -61,6 +57,11 @@ def two_chunks(tmp_path: Path) -> Path:
         assert appender.next_offsets() == {"batches": {0: 1}, "scored": {0: 2, 1: 1}}
         appender.append(HEADER, [record("scored", 1, 1), record("scored", 0, 2)], [reward_group(3)])
     return path
+
+
+@pytest.fixture
+def two_chunks(tmp_path: Path) -> Path:
+    return write_two_chunks(tmp_path / "topics.export")
 
 
 def test_chunks_read_back_in_offset_order_with_the_last_groups(two_chunks: Path) -> None:
@@ -161,19 +162,3 @@ def test_an_append_after_this_processs_own_goes_on_without_reading_the_file(two_
     export_ = load_export(two_chunks)
     assert places(export_.records["scored"]) == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1)]
     assert places(export_.records["batches"]) == [(0, 0), (0, 1)] and export_.groups == [reward_group(5)]
-
-
-def test_a_chunk_another_process_appended_is_read_before_the_next_append(two_chunks: Path) -> None:
-    """The launcher appends when the run stops: a process that appended before must see that chunk."""
-    other = (
-        "import sys; from pathlib import Path; sys.path[:0] = [sys.argv[2]];"
-        "from tests.unit.topics.test_export import HEADER, record, reward_group; from topics.export import ExportAppender\n"
-        "with ExportAppender(Path(sys.argv[1])) as appender:\n"
-        "    appender.append(HEADER, [record('scored', 1, 2)], [reward_group(6)])\n"
-    )
-    root = Path(__file__).resolve().parents[3]
-    subprocess.run([sys.executable, "-c", other, str(two_chunks), str(root)], check=True)
-    with ExportAppender(two_chunks) as appender:
-        assert appender.next_offsets() == {"batches": {0: 1}, "scored": {0: 3, 1: 3}}
-        appender.append(HEADER, [record("scored", 0, 3)], [reward_group(7)])
-    assert places(load_export(two_chunks).records["scored"]) == [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2)]

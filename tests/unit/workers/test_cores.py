@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline.config import load_config, on_one_machine, resolve
-from workers.cores import CoreLedger, ledger_for, lower_priority, restore_priority, split_cores
+from workers.cores import CoreLedger, ledger_for, split_cores
 
 
 @pytest.mark.parametrize(
@@ -142,24 +142,3 @@ def test_the_trainer_steps_on_the_free_cores_and_gives_them_back(tmp_path: Path)
         rollout.take(1)
         assert pool.submit(Lead.train_on_free_cores, lead, []).result()["threads"] == 1  # it generates: its own core
     assert seen == [2, 1]
-
-
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or os.geteuid() != 0, reason="leaving SCHED_IDLE takes root")
-def test_an_idle_process_and_all_its_threads_get_the_normal_policy_back() -> None:
-    """The evaluator once the workers stopped: an idle-class process waits behind any busy one, anyone's (an
-    unprivileged user may not leave SCHED_IDLE without an RLIMIT_NICE of 20: it stays there, nothing raised)."""
-    threaded = "import threading, time; [threading.Thread(target=time.sleep, args=(60,)).start() for _ in range(3)]"
-    process = subprocess.Popen([sys.executable, "-c", f"{threaded}; time.sleep(60)"], preexec_fn=lower_priority)
-    try:
-        threads = Path(f"/proc/{process.pid}/task")
-        while len(list(threads.iterdir())) < 4:
-            time.sleep(0.01)
-        assert {os.sched_getscheduler(int(t.name)) for t in threads.iterdir()} == {os.SCHED_IDLE}
-
-        restore_priority(process.pid)
-
-        assert {os.sched_getscheduler(int(t.name)) for t in threads.iterdir()} == {os.SCHED_OTHER}
-    finally:
-        process.kill()
-        process.wait()
-    restore_priority(process.pid)  # gone: nothing to do, nothing raised

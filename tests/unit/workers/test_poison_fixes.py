@@ -12,6 +12,7 @@ import pytest
 from pipeline.config import load_config, resolve
 from pipeline.demo_model import build_model, build_tokenizer
 from schemas.messages import BatchManifest, DeadLetter, PromptGroup, Scored, Segment
+from tests.unit.workers.test_worker_loops import INLINE_SCORING
 from topics.assembly import SegmentAssembler
 from topics.memory import MemoryTransport
 from topics.names import TopicLayout
@@ -77,7 +78,7 @@ def test_a_refused_attempt_does_not_win_its_trajectory() -> None:
 async def test_reward_loop_scores_the_real_attempt_after_a_poison_one_finished_first(tmp_path, model_dir) -> None:
     """Poison completing first used to win the trajectory id: the real attempt was ignored as late, its group never
     completed and the trainer waited for it at its deadline for ever."""
-    config = config_for(tmp_path, model_dir, "data.n_samples=2")
+    config = config_for(tmp_path, model_dir, "data.n_samples=2", INLINE_SCORING)
     transport, stop = MemoryTransport(TopicLayout()), asyncio.Event()
     poison = segment("e0-r1/0", "x:0", [5, 99])
     async with transport.outbox() as outbox:

@@ -48,6 +48,11 @@ GROUP = PromptGroup(
 )
 
 
+# the reward loop tests score with the task's own verifier in the loop's process, as the shipped arith config does:
+# no scoring process to start (the pool's own tests are in tests/integration)
+INLINE_SCORING = "reward.processes=0"
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("model")
@@ -87,7 +92,7 @@ async def test_reward_loop_first_finished_attempt_wins_and_poison_goes_to_dead_l
     tmp_path, model_dir, text_segment
 ):
     tokenizer = build_tokenizer(model_dir)
-    config = config_for(tmp_path, model_dir, "data.n_samples=2")
+    config = config_for(tmp_path, model_dir, "data.n_samples=2", INLINE_SCORING)
     transport = MemoryTransport(TopicLayout())
     broker = transport.broker
     async with transport.outbox() as outbox:
@@ -117,7 +122,7 @@ async def test_reward_loop_joins_the_loss_masks_of_tool_segments(tmp_path, model
     """A tool segment's output tokens (mask 0) stay untrained in `scored`, the reward function reads them, and a
     tool call is no interruption; a trajectory of model tokens only keeps the empty mask."""
     tokenizer = build_tokenizer(model_dir)
-    config = config_for(tmp_path, model_dir, "data.n_samples=2")
+    config = config_for(tmp_path, model_dir, "data.n_samples=2", INLINE_SCORING)
     transport = MemoryTransport(TopicLayout())
     call = text_segment(tokenizer, "e0-r1/0", "a:0", 0, 3, "55", "tool", GROUP)  # the model's "5", the tool's "5"
     async with transport.outbox() as outbox:
@@ -142,7 +147,7 @@ async def test_reward_loop_joins_the_loss_masks_of_tool_segments(tmp_path, model
 
 async def test_reward_loop_commits_nothing_past_an_unfinished_attempt(tmp_path, model_dir, text_segment):
     tokenizer = build_tokenizer(model_dir)
-    config = config_for(tmp_path, model_dir, "data.n_samples=2")
+    config = config_for(tmp_path, model_dir, "data.n_samples=2", INLINE_SCORING)
     transport = MemoryTransport(TopicLayout())
     async with transport.outbox() as outbox:
         await outbox.send(

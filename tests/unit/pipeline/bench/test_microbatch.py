@@ -1,6 +1,5 @@
 """`asyncrl bench microbatch`: its workload, the fixed count it compares against, its report (no timing asserted)."""
 
-import json
 import statistics
 from dataclasses import replace
 
@@ -16,7 +15,6 @@ from pipeline.bench.microbatch import (
     table,
     workload,
 )
-from pipeline.cli import main
 
 SETTINGS = Settings(
     sequences=64,
@@ -83,41 +81,3 @@ def test_settings_that_cannot_be_compared_are_refused():
     assert "--budget must hold the longest sequence" in check(replace(SETTINGS, budget=511))
     assert "multiple of 64" in check(replace(SETTINGS, hidden_size=100))
     assert "--dtype float16: float32 or bfloat16" in check(replace(SETTINGS, dtype="float16"))
-
-
-def test_bench_microbatch_runs_both_modes_in_their_own_processes(tmp_path):
-    out = tmp_path / "microbatch.json"
-    assert (
-        main(
-            [
-                "bench",
-                "microbatch",
-                "--sequences",
-                "6",
-                "--steps",
-                "1",
-                "--max-length",
-                "80",
-                "--budget",
-                "160",
-                "--hidden-size",
-                "64",
-                "--layers",
-                "1",
-                "--vocab-size",
-                "4096",
-                "--repeats",
-                "1",
-                "--dtype",
-                "bfloat16",
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
-    report = json.loads(out.read_text())
-    assert report["dynamic_over_fixed"] > 0 and report["peak_memory_ratio"] > 0
-    assert report["model"]["compute_dtype"] == report["settings"]["dtype"] == "bfloat16"
-    for mode in report["modes"].values():
-        assert mode["largest_microbatch_tokens"] <= 160 and mode["peak_memory_mib"] > 0
