@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from pipeline.config import load_config, resolve
 from schemas.messages import DeadLetter, WeightVersion, encode
+from tests.factories import tiny_qwen2
 from topics.memory import MemoryTransport
 from topics.names import TopicLayout
 from topics.transport import WeightsFollower
@@ -147,7 +148,7 @@ async def test_a_forged_final_does_not_stop_the_rollout_worker_the_trainers_does
         await asyncio.wait_for(worker, 20)
 
 
-def test_weights_that_do_not_fit_load_nothing(tiny_qwen2):
+def test_weights_that_do_not_fit_load_nothing():
     model = tiny_qwen2()
     before = copy.deepcopy(model.state_dict())
     state = {name: torch.zeros_like(t) for name, t in before.items()}

@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 from pipeline.config import ConfigError, load_config, resolve
 from pipeline.demo_model import build_tokenizer
 from pipeline.launch import check_dataset, check_template
+from tests.factories import tiny_qwen2
 from workers.models import (
     avoid_cudnn_attention,
     cast_floating,
@@ -122,7 +123,7 @@ def test_trainer_compute_dtype():
 
 
 @pytest.fixture
-def model_dir(tmp_path, tiny_qwen2):
+def model_dir(tmp_path):
     tiny_qwen2().save_pretrained(tmp_path / "model")
     return tmp_path / "model"
 
@@ -146,7 +147,7 @@ def test_published_weights_are_cast_float32_ones_untouched():
     assert half["w"].dtype == torch.bfloat16 and half["steps"].dtype == torch.long
 
 
-def test_a_bfloat16_step_runs_on_cpu_under_autocast_and_keeps_float32_masters(tiny_qwen2):
+def test_a_bfloat16_step_runs_on_cpu_under_autocast_and_keeps_float32_masters():
     model = tiny_qwen2()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import msgspec
 import pytest
 
 from pipeline.config import load_config, resolve
 from pipeline.demo_model import build_model, build_tokenizer
 from schemas.messages import BatchManifest, DeadLetter, PromptGroup, Scored, Segment
+from tests import factories
 from tests.unit.workers.test_worker_loops import INLINE_SCORING
 from topics.assembly import SegmentAssembler
 from topics.memory import MemoryTransport
@@ -59,10 +59,7 @@ def test_each_bad_dataset_line_is_one_bad_row_with_its_own_line_number(tmp_path:
 
 
 def segment(trajectory: str, attempt: str, tokens: list[int], group: PromptGroup | None = GROUP) -> Segment:
-    return Segment(
-        trajectory_id=trajectory, attempt=attempt, segment_index=0, version=0, token_ids=tokens,
-        logprobs=[-0.5] * len(tokens), finish_reason="stop", worker_id=attempt.split(":")[0], group=group,
-    )  # fmt: skip
+    return factories.segment(trajectory_id=trajectory, attempt=attempt, token_ids=tokens, group=group)
 
 
 def test_a_refused_attempt_does_not_win_its_trajectory() -> None:
@@ -104,13 +101,8 @@ async def test_reward_loop_scores_the_real_attempt_after_a_poison_one_finished_f
 
 
 def scored_of(group: PromptGroup, sample: int, **changes) -> Scored:
-    record = Scored(
-        trajectory_id=f"{group.prompt_id}/{sample}", prompt_id=group.prompt_id, sample_index=sample,
-        n_samples=group.n_samples, release_index=0, released_at_version=0, attempt="rollout-1:0",
-        prompt_tokens=group.prompt_tokens, completion_tokens=[5, 1], logprobs=[-0.5, -0.5], versions=[0, 0],
-        finish_reason="stop", num_segments=1, reward=float(sample),
-    )  # fmt: skip
-    return msgspec.structs.replace(record, **changes)
+    fields = {"attempt": "rollout-1:0", "logprobs": [-0.5, -0.5], "reward": float(sample)} | changes
+    return factories.scored(group=group, sample=sample, completion_tokens=[5, 1], **fields)
 
 
 async def test_trainer_loop_a_forged_trajectory_first_with_another_n_samples_does_not_stall_its_group(

@@ -26,6 +26,7 @@ from pipeline.config import load_config, resolve
 from pipeline.demo_model import build_model, build_tokenizer
 from schemas.config import RunConfig
 from schemas.messages import BatchManifest, DeadLetter, PromptGroup, Scored, Segment, WeightVersion, encode
+from tests.factories import scored, text_segment
 from topics.memory import MemorySource, MemoryTransport
 from topics.names import TopicLayout
 from workers import runtime
@@ -88,23 +89,23 @@ async def run_until(main: Awaitable[None], stop: asyncio.Event, done: Callable[[
         await asyncio.wait_for(task, 10)
 
 
-async def test_reward_loop_first_finished_attempt_wins_and_poison_goes_to_dead_letter(
-    tmp_path, model_dir, text_segment
-):
+async def test_reward_loop_first_finished_attempt_wins_and_poison_goes_to_dead_letter(tmp_path, model_dir):
     tokenizer = build_tokenizer(model_dir)
     config = config_for(tmp_path, model_dir, "data.n_samples=2", INLINE_SCORING)
     transport = MemoryTransport(TopicLayout())
     broker = transport.broker
+    first = [
+        text_segment(tokenizer, "5", trajectory_id="e0-r1/0", attempt="a:0", version=3, finish_reason="interrupted", group=GROUP),
+        text_segment(tokenizer, "5", trajectory_id="e0-r1/0", attempt="b:0", segment_index=1, version=5),  # before its segment 0
+        text_segment(tokenizer, "5", trajectory_id="e0-r1/0", attempt="b:0", version=4, finish_reason="interrupted", group=GROUP),
+        text_segment(tokenizer, "6", trajectory_id="e0-r1/0", attempt="a:0", segment_index=1, version=4),  # attempt a finishes late: ignored
+    ]  # fmt: skip
+    after_poison = text_segment(tokenizer, "54", trajectory_id="e0-r1/1", attempt="b:1", version=4, group=GROUP)
     async with transport.outbox() as outbox:
-        for message in [
-            text_segment(tokenizer, "e0-r1/0", "a:0", 0, 3, "5", "interrupted", GROUP),
-            text_segment(tokenizer, "e0-r1/0", "b:0", 1, 5, "5", "stop"),  # before its segment 0
-            text_segment(tokenizer, "e0-r1/0", "b:0", 0, 4, "5", "interrupted", GROUP),
-            text_segment(tokenizer, "e0-r1/0", "a:0", 1, 4, "6", "stop"),  # attempt a finishes late: ignored
-        ]:
+        for message in first:
             await outbox.send("segments", message, key="k")
         await broker.append(transport.layout.name("segments"), b"\x00poison", b"k", [])
-        await outbox.send("segments", text_segment(tokenizer, "e0-r1/1", "b:1", 0, 4, "54", "stop", GROUP), key="k")
+        await outbox.send("segments", after_poison, key="k")
 
     stop = asyncio.Event()
     scored = lambda: broker.messages("scored", Scored)  # noqa: E731
@@ -118,20 +119,23 @@ async def test_reward_loop_first_finished_attempt_wins_and_poison_goes_to_dead_l
     assert broker.committed[("reward", transport.layout.name("segments"))] == {0: 6}  # everything processed
 
 
-async def test_reward_loop_joins_the_loss_masks_of_tool_segments(tmp_path, model_dir, text_segment):
+async def test_reward_loop_joins_the_loss_masks_of_tool_segments(tmp_path, model_dir):
     """A tool segment's output tokens (mask 0) stay untrained in `scored`, the reward function reads them, and a
     tool call is no interruption; a trajectory of model tokens only keeps the empty mask."""
     tokenizer = build_tokenizer(model_dir)
     config = config_for(tmp_path, model_dir, "data.n_samples=2", INLINE_SCORING)
     transport = MemoryTransport(TopicLayout())
-    call = text_segment(tokenizer, "e0-r1/0", "a:0", 0, 3, "55", "tool", GROUP)  # the model's "5", the tool's "5"
+    call = text_segment(
+        tokenizer, "55", trajectory_id="e0-r1/0", attempt="a:0", version=3, finish_reason="tool", group=GROUP
+    )  # the model's "5", the tool's "5"
+    segments = [
+        msgspec.structs.replace(call, loss_mask=[1, 0], logprobs=[-0.5, 0.0]),
+        text_segment(tokenizer, "", trajectory_id="e0-r1/0", attempt="a:0", segment_index=1, version=4),  # the model's last turn: eos
+        text_segment(tokenizer, "5", trajectory_id="e0-r1/1", attempt="a:1", version=3, finish_reason="interrupted", group=GROUP),
+        text_segment(tokenizer, "4", trajectory_id="e0-r1/1", attempt="a:1", segment_index=1, version=4),
+    ]  # fmt: skip
     async with transport.outbox() as outbox:
-        for message in [
-            msgspec.structs.replace(call, loss_mask=[1, 0], logprobs=[-0.5, 0.0]),
-            text_segment(tokenizer, "e0-r1/0", "a:0", 1, 4, "", "stop"),  # the model's last turn: eos
-            text_segment(tokenizer, "e0-r1/1", "a:1", 0, 3, "5", "interrupted", GROUP),
-            text_segment(tokenizer, "e0-r1/1", "a:1", 1, 4, "4", "stop"),
-        ]:
+        for message in segments:
             await outbox.send("segments", message, key="k")
     stop = asyncio.Event()
     scored = lambda: transport.broker.messages("scored", Scored)  # noqa: E731
@@ -145,15 +149,17 @@ async def test_reward_loop_joins_the_loss_masks_of_tool_segments(tmp_path, model
     assert (plain.loss_mask, plain.num_segments, plain.tool_calls, plain.interruptions) == ([], 2, 0, 1)
 
 
-async def test_reward_loop_commits_nothing_past_an_unfinished_attempt(tmp_path, model_dir, text_segment):
+async def test_reward_loop_commits_nothing_past_an_unfinished_attempt(tmp_path, model_dir):
     tokenizer = build_tokenizer(model_dir)
     config = config_for(tmp_path, model_dir, "data.n_samples=2", INLINE_SCORING)
     transport = MemoryTransport(TopicLayout())
+    segments = [
+        text_segment(tokenizer, "5", trajectory_id="e0-r1/0", attempt="a:0", version=3, finish_reason="interrupted", group=GROUP),
+        text_segment(tokenizer, "55", trajectory_id="e0-r1/1", attempt="a:1", version=3, group=GROUP),
+    ]  # fmt: skip
     async with transport.outbox() as outbox:
-        await outbox.send(
-            "segments", text_segment(tokenizer, "e0-r1/0", "a:0", 0, 3, "5", "interrupted", GROUP), key="k"
-        )
-        await outbox.send("segments", text_segment(tokenizer, "e0-r1/1", "a:1", 0, 3, "55", "stop", GROUP), key="k")
+        for message in segments:
+            await outbox.send("segments", message, key="k")
     stop = asyncio.Event()
     scored = lambda: transport.broker.messages("scored", Scored)  # noqa: E731
     await run_until(reward_worker.main(config, stop, transport), stop, lambda: len(scored()) == 1)
@@ -324,26 +330,6 @@ async def test_rollout_loop_refuses_a_corrupted_weight_file_and_keeps_its_weight
     assert "does not exist" in gone.reason
 
 
-def scored(group: PromptGroup, sample: int, reward: float) -> Scored:
-    completion = [5, 6, 1]
-    return Scored(
-        trajectory_id=f"{group.prompt_id}/{sample}",
-        prompt_id=group.prompt_id,
-        sample_index=sample,
-        n_samples=group.n_samples,
-        release_index=group.release_index,
-        released_at_version=group.released_at_version,
-        attempt="a",
-        prompt_tokens=[7, 10, 13],
-        completion_tokens=completion,
-        logprobs=[-1.0] * len(completion),
-        versions=[group.released_at_version] * len(completion),
-        finish_reason="stop",
-        num_segments=1,
-        reward=reward,
-    )
-
-
 def released(n: int, version: int) -> PromptGroup:
     return msgspec.structs.replace(GROUP, prompt_id=f"p{n}", release_index=n, released_at_version=version)
 
@@ -360,7 +346,13 @@ async def test_trainer_loop_waits_for_a_straggler_at_its_staleness_deadline(tmp_
     transport, stop = MemoryTransport(TopicLayout()), asyncio.Event()
     a, b, c = released(0, 0), released(1, 0), released(2, 1)
     await publish(
-        transport, a, b, c, scored(a, 0, 1.0), *(scored(b, i, i) for i in (0, 1)), *(scored(c, i, i) for i in (0, 1))
+        transport,
+        a,
+        b,
+        c,
+        scored(group=a, sample=0, reward=1.0),
+        *(scored(group=b, sample=i, reward=i) for i in (0, 1)),
+        *(scored(group=c, sample=i, reward=i) for i in (0, 1)),
     )
     manifests = lambda: transport.broker.messages("batches", BatchManifest)  # noqa: E731
     task = asyncio.create_task(trainer_worker.main(config, stop, transport))
@@ -368,7 +360,7 @@ async def test_trainer_loop_waits_for_a_straggler_at_its_staleness_deadline(tmp_
         await wait_for(lambda: len(manifests()) == 1)
         await asyncio.sleep(0.5)  # at v1 group a (released at v0, eta 1) is due and incomplete: c must wait
         assert [m.trajectory_ids for m in manifests()] == [["p1/0", "p1/1"]]
-        await publish(transport, scored(a, 1, 0.0))
+        await publish(transport, scored(group=a, sample=1, reward=0.0))
         await asyncio.wait_for(task, 20)  # a, then c: the run ends after 3 steps
     finally:
         stop.set()
@@ -390,7 +382,7 @@ async def test_trainer_loop_steps_on_without_waiting_for_records_while_a_batch_i
     config = config_for(tmp_path, model_dir, "trainer.batch_groups=1", "trainer.max_staleness=4", "trainer.steps=3")
     transport = MemoryTransport(TopicLayout())
     groups = [released(n, 0) for n in range(3)]
-    await publish(transport, *groups, *(scored(g, i, float(i)) for g in groups for i in (0, 1)))
+    await publish(transport, *groups, *(scored(group=g, sample=i, reward=float(i)) for g in groups for i in (0, 1)))
     waits, fetch = [], MemorySource.fetch
 
     async def counted(source: MemorySource, timeout_s: float, max_records: int | None) -> list:
@@ -417,7 +409,11 @@ async def test_trainer_loop_restart_rebuilds_the_steps_after_its_checkpoint_from
     )
     transport = MemoryTransport(TopicLayout())
     groups = [released(n, 0) for n in range(3)]
-    await publish(transport, *groups, *(scored(g, i, float(i == n % 2)) for n, g in enumerate(groups) for i in (0, 1)))
+    await publish(
+        transport,
+        *groups,
+        *(scored(group=g, sample=i, reward=float(i == n % 2)) for n, g in enumerate(groups) for i in (0, 1)),
+    )
     stop = asyncio.Event()
     await asyncio.wait_for(trainer_worker.main(config, stop, transport), 30)
     straight = load_file(runtime.weights_dir(config) / "v000003.safetensors")
@@ -461,7 +457,7 @@ async def test_trainer_loop_dead_letters_what_it_cannot_train_and_trains_the_res
     config = config_for(tmp_path, model_dir, "trainer.batch_groups=1", "trainer.max_staleness=4", "trainer.steps=1")
     transport = MemoryTransport(TopicLayout())
     group, outside = released(0, 0), msgspec.structs.replace(released(1, 0), prompt_tokens=[7, 10**6])
-    good = [scored(group, i, float(i)) for i in (0, 1)]
+    good = [scored(group=group, sample=i, reward=float(i)) for i in (0, 1)]
     poison = {
         "logprobs[1] is nan": msgspec.structs.replace(good[0], logprobs=[-1.0, math.nan, -1.0]),
         "1 logprobs for 3 completion_tokens": msgspec.structs.replace(good[0], logprobs=[-1.0]),

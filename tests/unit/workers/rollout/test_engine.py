@@ -15,12 +15,12 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
-    Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
 
+from tests.factories import tiny_qwen2
 from workers.rollout import engine as engine_module
 from workers.rollout.engine import DirectForward, Engine, HFForward
 from workers.rollout.protocol import SamplingParams, generate_all
@@ -33,17 +33,8 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
 
 
 def tiny_model(seed: int) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=16,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=128,
-    )
-    return Qwen2ForCausalLM(config).float().eval()
+    sizes = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+    return tiny_qwen2(seed=seed, max_position_embeddings=128, **sizes).eval()
 
 
 @pytest.fixture

@@ -3,26 +3,13 @@
 import msgspec
 
 from schemas.messages import DroppedGroup, PromptGroup, Scored
+from tests import factories
 from workers.trainer.buffer import GroupBuffer
 
 
 def scored(prompt_id: str, sample: int, release_index: int = 0, version: int = 0, n: int = 2) -> Scored:
-    return Scored(
-        trajectory_id=f"{prompt_id}/{sample}",
-        prompt_id=prompt_id,
-        sample_index=sample,
-        n_samples=n,
-        release_index=release_index,
-        released_at_version=version,
-        attempt="w:0",
-        prompt_tokens=[1],
-        completion_tokens=[2],
-        logprobs=[-0.5],
-        versions=[version],
-        finish_reason="stop",
-        num_segments=1,
-        reward=1.0,
-    )
+    group = release(prompt_id, version, release_index, n)
+    return factories.scored(group=group, sample=sample, attempt="w:0", completion_tokens=[2], logprobs=[-0.5])
 
 
 def release(prompt_id: str, version: int = 0, release_index: int = 0, n: int = 2) -> PromptGroup:

@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from tests.factories import tiny_qwen2
 from workers.trainer.losses import LossSettings
 from workers.trainer.microbatch import allocate_dynamic, allocate_fixed, allocator
 from workers.trainer.step import StepSettings, collate, token_logprobs, train_step
@@ -69,7 +70,7 @@ ADV = [1.0, -0.5, 0.25, 0.75]
 
 
 @pytest.fixture
-def model(tiny_qwen2):
+def model():
     return tiny_qwen2()
 
 

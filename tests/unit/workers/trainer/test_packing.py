@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 
+from tests.factories import tiny_qwen2
 from workers.trainer import packing
 from workers.trainer.losses import LossSettings, decoupled_ppo_loss
 from workers.trainer.microbatch import allocator
@@ -115,9 +116,9 @@ def padded_logprobs(model, batch):
 @pytest.mark.parametrize("group", [1, 3], ids=["own prompts", "shared prompts"])
 @pytest.mark.parametrize("chunk_tokens", [packing.CHUNK_TOKENS, 7, 1], ids=["default", "mixed", "one by one"])
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
-def test_packed_logprobs_equal_padded(attn_implementation, chunk_tokens, group, tiny_qwen2, monkeypatch):
+def test_packed_logprobs_equal_padded(attn_implementation, chunk_tokens, group, monkeypatch):
     monkeypatch.setattr(packing, "CHUNK_TOKENS", chunk_tokens)  # sequences attended alone, in runs, or mixed
-    model = tiny_qwen2(attn_implementation)
+    model = tiny_qwen2(attn_implementation=attn_implementation)
     batch = collate(*random_sequences(9, group=group), pad_id=0)
     assert len(pack(batch.input_ids, batch.attention_mask, batch.prompt_lengths).parents) == 9 + (group > 1) * 3
     valid = batch.attention_mask[:, 1:].bool()  # [N, T-1] positions that predict a real token
@@ -127,7 +128,7 @@ def test_packed_logprobs_equal_padded(attn_implementation, chunk_tokens, group, 
     torch.testing.assert_close(got[valid], want[valid], rtol=0, atol=1e-5)
 
 
-def test_packed_bfloat16_logprobs_stay_near_float32(tiny_qwen2):
+def test_packed_bfloat16_logprobs_stay_near_float32():
     """Under bfloat16 autocast the matmuls run in bfloat16 but attention in float32 (CPU bfloat16 SDPA is slow):
     the logprobs stay within bfloat16's rounding of the float32 ones."""
     model = tiny_qwen2()
@@ -170,7 +171,7 @@ LOSS_OPTIONS = [  # caps that hit some tokens / sequences of the batch below (it
 @pytest.mark.parametrize("group", [1, 4, "4 with repeats"], ids=["own prompts", "shared prompts", "repeated answers"])
 @pytest.mark.parametrize("tools", [False, True], ids=["model tokens", "with tool tokens"])
 @pytest.mark.parametrize("options", LOSS_OPTIONS, ids=[o["aggregation"] for o in LOSS_OPTIONS])
-def test_packed_microbatched_gradients_equal_padded(options, tools, group, tiny_qwen2):
+def test_packed_microbatched_gradients_equal_padded(options, tools, group):
     settings = LossSettings(clip_eps=0.2, clip_eps_high=0.28, max_new_tokens=8, **options)
     padded_model = tiny_qwen2()
     packed_model = copy.deepcopy(padded_model)

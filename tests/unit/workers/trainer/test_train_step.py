@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 
+from tests.factories import tiny_qwen2
 from tests.message_examples import SCORED, SCORED_TOOL
 from workers.trainer.losses import LossSettings, decoupled_ppo_loss
 from workers.trainer.microbatch import allocator
@@ -23,7 +24,7 @@ PPO = LossSettings(clip_eps=0.2)
 
 
 @pytest.fixture
-def model(tiny_qwen2):
+def model():
     return tiny_qwen2()
 
 

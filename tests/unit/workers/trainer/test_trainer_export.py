@@ -9,7 +9,8 @@ import socket
 from pathlib import Path
 
 from schemas.messages import BatchManifest
-from tests.unit.workers.test_worker_loops import config_for, publish, released, scored
+from tests.factories import scored
+from tests.unit.workers.test_worker_loops import config_for, publish, released
 from topics.memory import MemoryTransport
 from topics.names import TopicLayout
 from workers import runtime
@@ -24,7 +25,7 @@ async def test_a_checkpoint_whose_topics_cannot_be_exported_is_skipped(tmp_path:
     settings = ("trainer.batch_groups=1", "trainer.steps=2", "trainer.checkpoint.every=1", "broker.embedded=true")
     config = config_for(tmp_path, demo_model_dir, *settings, f"broker.bootstrap={gone}")
     transport, groups = MemoryTransport(TopicLayout()), [released(n, 0) for n in range(2)]
-    await publish(transport, *groups, *(scored(g, i, float(i)) for g in groups for i in (0, 1)))
+    await publish(transport, *groups, *(scored(group=g, sample=i, reward=float(i)) for g in groups for i in (0, 1)))
     await asyncio.wait_for(trainer_worker.main(config, asyncio.Event(), transport), 60)
     assert [m.step for m in transport.broker.messages("batches", BatchManifest)] == [1, 2]  # it trained on
     assert list(checkpoints_dir(config).glob("step_*.pt")) == []

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from pipeline.config import load_config, resolve
 from schemas.messages import BatchManifest, DroppedGroup, PromptGroup, Scored, WeightVersion, prompt_id_of
+from tests.factories import scored, tiny_qwen2
 from topics.memory import MemoryBroker, MemorySink, MemoryTransport
 from topics.names import TopicLayout
 from topics.transport import decode_or_error
@@ -45,7 +46,7 @@ def unchanged(before: dict, after: dict) -> bool:
     return all(torch.equal(before[name], after[name]) for name in before)
 
 
-def test_a_nan_loss_skips_the_update_and_leaves_weights_and_optimizer_as_they_were(tiny_qwen2):
+def test_a_nan_loss_skips_the_update_and_leaves_weights_and_optimizer_as_they_were():
     model = tiny_qwen2()
     stats, before, after, optimizer = step(model, [1.0, math.nan, 0.25])
     assert stats["skipped_updates"] == 1 and stats["skip_reason"] == "minibatch 0: loss is nan"
@@ -54,7 +55,7 @@ def test_a_nan_loss_skips_the_update_and_leaves_weights_and_optimizer_as_they_we
     assert all(p.grad is None for p in model.parameters())  # the NaN gradients are gone too
 
 
-def test_an_inf_gradient_norm_skips_the_update(tiny_qwen2):
+def test_an_inf_gradient_norm_skips_the_update():
     model = tiny_qwen2()
     model.get_input_embeddings().weight.register_hook(lambda grad: torch.full_like(grad, math.inf))
     stats, before, after, _ = step(model, [1.0, -0.5, 0.25])
@@ -63,7 +64,7 @@ def test_an_inf_gradient_norm_skips_the_update(tiny_qwen2):
     assert unchanged(before, after)
 
 
-def test_a_finite_step_is_applied_and_only_the_bad_minibatch_is_skipped(tiny_qwen2):
+def test_a_finite_step_is_applied_and_only_the_bad_minibatch_is_skipped():
     stats, before, after, _ = step(tiny_qwen2(), [1.0, -0.5, 0.25])
     assert stats["skipped_updates"] == 0 and "skip_reason" not in stats and not unchanged(before, after)
     two = dataclasses.replace(SETTINGS, minibatches=2)
@@ -90,25 +91,6 @@ def test_non_finite_names_exactly_the_tensors_with_nan_or_inf_even_where_a_finit
     assert non_finite({"a": torch.ones(3), "huge": huge}) == [] and non_finite({}) == []
 
 
-def scored(group: PromptGroup, sample: int, reward: float) -> Scored:
-    return Scored(
-        trajectory_id=f"{group.prompt_id}/{sample}",
-        prompt_id=group.prompt_id,
-        sample_index=sample,
-        n_samples=group.n_samples,
-        release_index=group.release_index,
-        released_at_version=group.released_at_version,
-        attempt="a",
-        prompt_tokens=[7, 10, 13],
-        completion_tokens=[5 + sample, 6, 1],  # the same answer twice, at rewards 0 and 1, would train nothing
-        logprobs=[-1.0] * 3,
-        versions=[0] * 3,
-        finish_reason="stop",
-        num_segments=1,
-        reward=reward,
-    )
-
-
 def guard_config(tmp_path, model_dir, steps: int, overrides=()):
     """A trainer of one group of 2 samples per step, on the in-memory broker."""
     overrides = [*overrides, "name=guard", f"model.path={model_dir}", "broker.bootstrap=memory"]
@@ -126,7 +108,9 @@ async def send_groups(transport: MemoryTransport, rewards, first: int = 0) -> No
             )  # fmt: skip
             await outbox.send_now("prompts", group, key=group.prompt_id)
             for sample, reward in enumerate(pair):
-                await outbox.send_now("scored", scored(group, sample, reward), key=group.prompt_id)
+                completion = [5 + sample, 6, 1]  # the same answer twice, at rewards 0 and 1, would train nothing
+                record = scored(group=group, sample=sample, reward=reward, completion_tokens=completion)
+                await outbox.send_now("scored", record, key=group.prompt_id)
 
 
 async def run_trainer_on_two_groups(
