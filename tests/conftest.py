@@ -9,9 +9,7 @@ is marked `e2e` here; `gpu` tests are skipped here when CUDA is not available.
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import sys
 import uuid
 from collections.abc import Callable, Iterator
@@ -19,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.system_packages import apt_install
+from tests.system_packages import require_tools
 from topics.admin import ensure_topics
 from topics.broker import EmbeddedBroker
 from topics.names import TopicLayout
@@ -84,13 +82,11 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def bubblewrap() -> str:
-    """bwrap's path once the sandbox (workers/reward/sandbox.py) runs here: Debian's package is installed with
-    apt-get when missing; a failed install or sandbox fails."""
+    """bwrap's path once the sandbox (workers/reward/sandbox.py) runs here (`make system-deps` installs it); a
+    sandbox that does not run fails."""
     if sys.platform != "linux":
         pytest.skip("the sandbox is bubblewrap, which needs Linux")
-    if shutil.which("bwrap") is None and os.geteuid() != 0:
-        pytest.skip("bwrap is missing, and installing it needs root (apt-get install bubblewrap)")
-    apt_install(["bubblewrap"], lambda: shutil.which("bwrap") is not None)
+    require_tools(["bwrap"], ["bubblewrap"], "system-deps")
     from workers.reward.sandbox import SandboxError, require_bwrap
 
     try:

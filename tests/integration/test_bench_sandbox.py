@@ -11,7 +11,7 @@ from workers.reward.sandbox import run_python
 
 @pytest.fixture
 def sandbox(request: pytest.FixtureRequest) -> str:
-    """bwrap from the session's `bubblewrap` fixture (tests/conftest.py); a skip where it could not be installed."""
+    """bwrap from the session's `bubblewrap` fixture (tests/conftest.py); a skip where it cannot run the sandbox."""
     try:
         return request.getfixturevalue("bubblewrap")
     except pytest.fail.Exception as exc:
