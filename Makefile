@@ -1,14 +1,30 @@
 # The two commands: `make demo` and `make test`. Both create .venv when needed.
 # Also: `make test-unit` (fast: no e2e, no slow tests), `make lint` (ruff and the import rules, as CI runs them),
-# `make format`, `make docs`,
-# `make compose-test` (docker compose for real, root; `make test` leaves it out).
+# `make format`, `make docs` (the documentation site and its link check), `make system-deps` (the Debian packages
+# some tests run, root), `make compose-test` (docker compose for real, root; `make test` leaves it out).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 # torch first and pinned: this pin is a local CPU wheel here; an unpinned torch pulls CUDA builds.
 TORCH  := torch==2.13.0
+# Debian packages the tests run for real: the reward sandbox (bubblewrap) and a Slurm cluster (slurm-wlm, munge);
+# compose-test's Docker engine and base image (docker.io, debootstrap)
+TEST_PACKAGES    := bubblewrap slurm-wlm munge
+COMPOSE_PACKAGES := docker.io debootstrap
 
-.PHONY: demo test test-unit compose-test chaos lint docs format install install-test clean gpu-check gpu-rehearsal gpu-wheels
+# $(call apt_install,PACKAGES): apt-get installs those of PACKAGES dpkg lacks, as root; elsewhere it only says which
+# are missing (the tests needing them then skip, saying why); a failed install fails the target
+define apt_install
+	@missing=$$(for p in $(1); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; done); \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
+		echo "not installed (apt-get as root installs them):" $$missing; exit 0; \
+	fi; \
+	export DEBIAN_FRONTEND=noninteractive; \
+	apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing
+endef
+
+.PHONY: demo test test-unit system-deps compose-test chaos lint docs format install install-test clean gpu-check gpu-rehearsal gpu-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,9 +49,14 @@ test: install-test
 test-unit: install-test
 	$(BIN)/python -m pytest -q tests/unit -m "not e2e and not slow"
 
+# the Debian packages of the tests `make test` runs; CI (.ci/run, root) calls it before `make test`
+system-deps:
+	$(call apt_install,$(TEST_PACKAGES))
+
 # docker compose for real (tests/integration/test_compose_real.py; root, Linux, apt): a dockerd of its own, the image
 # built from a debootstrap base (kept in /var/cache/asyncrl-compose/), two runs; -s shows the timings it prints
 compose-test: install-test
+	$(call apt_install,$(COMPOSE_PACKAGES))
 	$(BIN)/python -m pytest -q -s -m docker tests/integration/test_compose_real.py
 
 # fault injection, the long version of tests/e2e/test_chaos.py (~1 h on 2 cores): SIGKILLs of every role at

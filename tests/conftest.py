@@ -9,17 +9,15 @@ is marked `e2e` here; `gpu` tests are skipped here when CUDA is not available.
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from system_packages import apt_install
 
+from tests.system_packages import require_tools
 from topics.admin import ensure_topics
 from topics.broker import EmbeddedBroker
 from topics.names import TopicLayout
@@ -82,61 +80,13 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture
-def tiny_qwen2() -> Callable[..., object]:
-    """Builds the small Qwen2 (seed 0) the trainer tests share: `tiny_qwen2(attn_implementation="sdpa")`."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    def build(attn_implementation: str = "sdpa") -> Qwen2ForCausalLM:
-        torch.manual_seed(0)
-        config = Qwen2Config(
-            vocab_size=16,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            intermediate_size=64,
-            max_position_embeddings=32,
-            attn_implementation=attn_implementation,
-        )
-        return Qwen2ForCausalLM(config).float()
-
-    return build
-
-
-@pytest.fixture
-def text_segment() -> Callable[..., object]:
-    """Builds a Segment of `text` (plus EOS when it stops) with a tokenizer:
-    `text_segment(tokenizer, trajectory_id, attempt, index, version, text, finish_reason, group=None)`."""
-    from schemas.messages import Segment
-
-    def build(tokenizer, trajectory, attempt, index, version, text, reason, group=None) -> Segment:
-        ids = tokenizer(text)["input_ids"] + ([tokenizer.eos_token_id] if reason == "stop" else [])
-        return Segment(
-            trajectory_id=trajectory,
-            attempt=attempt,
-            segment_index=index,
-            version=version,
-            token_ids=ids,
-            logprobs=[-0.5] * len(ids),
-            finish_reason=reason,
-            worker_id=attempt.split(":")[0],
-            group=group,
-        )
-
-    return build
-
-
 @pytest.fixture(scope="session")
 def bubblewrap() -> str:
-    """bwrap's path once the sandbox (workers/reward/sandbox.py) runs here: Debian's package is installed with
-    apt-get when missing; a failed install or sandbox fails."""
+    """bwrap's path once the sandbox (workers/reward/sandbox.py) runs here (`make system-deps` installs it); a
+    sandbox that does not run fails."""
     if sys.platform != "linux":
         pytest.skip("the sandbox is bubblewrap, which needs Linux")
-    if shutil.which("bwrap") is None and os.geteuid() != 0:
-        pytest.skip("bwrap is missing, and installing it needs root (apt-get install bubblewrap)")
-    apt_install(["bubblewrap"], lambda: shutil.which("bwrap") is not None)
+    require_tools(["bwrap"], ["bubblewrap"], "system-deps")
     from workers.reward.sandbox import SandboxError, require_bwrap
 
     try:

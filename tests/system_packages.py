@@ -1,29 +1,26 @@
-"""Debian packages a test needs (bubblewrap, Slurm, Docker), installed with apt-get when missing, as a user
-would; a failed install fails the test with apt's words, it never passes silently."""
+"""Debian packages some tests run for real (bubblewrap, Slurm, Docker). The Makefile installs them (`make
+system-deps`, `make compose-test`: root, apt-get); a test never does. Without them a test skips where they cannot be
+installed (not Linux, not root, no apt-get) and fails where they could have been, so that a machine able to run it
+(CI runs as root) never passes it by skipping."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-from collections.abc import Callable
+import shutil
+import sys
 
 import pytest
 
+SBIN_PATH = os.environ.get("PATH", "/usr/bin:/bin") + ":/usr/sbin:/sbin"  # daemons (slurmctld, dockerd) live there
 
-def apt_install(packages: list[str], installed: Callable[[], bool]) -> None:
-    """Install `packages` unless `installed()`; pytest.fail with the end of apt's output if it does not work."""
-    if installed():
+
+def require_tools(tools: list[str], packages: list[str], target: str) -> None:
+    """Skip or fail the test unless every one of `tools` is on the PATH or in sbin; `make target` installs
+    `packages`, which hold them."""
+    missing = [name for name in tools if shutil.which(name, path=SBIN_PATH) is None]
+    if not missing:
         return
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "--no-install-recommends", *packages]
-    try:
-        done = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
-        if done.returncode != 0:  # a fresh machine may have no package lists yet
-            subprocess.run(["apt-get", "update"], env=env, capture_output=True, timeout=300)
-            done = subprocess.run(install, env=env, capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.fail(f"could not install {' '.join(packages)} ({' '.join(install)}): {exc}")
-    if done.returncode != 0 or not installed():
-        pytest.fail(
-            f"could not install {' '.join(packages)} ({' '.join(install)}):\n{(done.stdout + done.stderr)[-2000:]}"
-        )
+    install = f"`make {target}` installs {' '.join(packages)} with apt-get"
+    if sys.platform != "linux" or os.geteuid() != 0 or shutil.which("apt-get") is None:
+        pytest.skip(f"{' and '.join(missing)} missing; {install}, which needs root on Debian or Ubuntu")
+    pytest.fail(f"{' and '.join(missing)} missing: {install}")

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import math
 
-from test_pipeline import SMALL_RUN, run_pipeline, trained_view
 from transformers import AutoTokenizer
 
 from schemas.messages import Segment, model_token_mask
+from tests.e2e.test_pipeline import SMALL_RUN, run_pipeline, trained_view
 from topics.readers import read_topic
 
 STEPS, GROUPS, SAMPLES = 10, 4, 4

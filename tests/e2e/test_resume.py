@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_clean_stops import Launch, alive, mentioning
 
 from pipeline.config import load_config, resolve, save_config
 from schemas.messages import BatchManifest, PromptGroup, Scored, WeightVersion, prompt_id_of
 from schemas.validate import decode
+from tests.e2e.test_clean_stops import Launch, alive, mentioning
 from topics.export import load_export
 
 pytestmark = pytest.mark.e2e

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from pipeline.config import load_config, resolve, save_config
 from schemas.messages import BatchManifest, PromptGroup, Scored, WeightVersion
+from tests.factories import tiny_qwen2
 from topics.admin import ensure_topics
 from topics.clients import make_producer, send
 from topics.names import TopicLayout
@@ -157,19 +157,9 @@ async def manifests_of(bootstrap: str, name: str) -> list[BatchManifest]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
+    sizes = dict(vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     path = tmp_path_factory.mktemp("model")
-    Qwen2ForCausalLM(config).save_pretrained(path)
+    tiny_qwen2(tie_word_embeddings=True, **sizes).save_pretrained(path)
     return path
 
 
@@ -267,7 +257,7 @@ async def test_two_fsdp2_ranks_train_the_stream_like_one_process(broker, tmp_pat
     ]
     expected, got = final_weights(tmp_path / "runs" / one), final_weights(tmp_path / "runs" / two)
     assert expected.keys() == got.keys()
-    # Two ranks sum in another order than one process (one step: within 2e-6, tests/unit/test_distributed.py);
+    # Two ranks sum in another order than one process (one step: within 2e-6, tests/unit/workers/trainer/test_distributed.py);
     # at lr 1e-2 Adam turns such rounding on near-zero gradients into full-size steps, compounded over the run
     # (1.3e-5 measured on a key bias). A lost optimizer state or a step trained twice moves weights by ~lr.
     for key in expected:

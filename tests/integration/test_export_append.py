@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from aiokafka import TopicPartition
 
-from schemas.messages import Segment, encode
+from schemas.messages import encode
+from tests.factories import segment
 from topics.admin import commit_offsets, committed_offsets, ensure_topics
 from topics.broker import EmbeddedBroker
 from topics.clients import make_group_consumer, make_producer
@@ -18,17 +19,13 @@ from topics.inspect import read_records
 from topics.names import PROMPTS, REWARD_GROUP, ROLLOUT_GROUP, SEGMENTS, TopicLayout
 
 
-def segment(index: int) -> Segment:
-    return Segment(
-        trajectory_id=f"p{index}/0", attempt="rollout-0:1", segment_index=0, version=0, token_ids=[4],
-        logprobs=[-0.5], finish_reason="stop", worker_id="rollout-0",
-    )  # fmt: skip
-
-
 async def produce(bootstrap: str, topic: str, indices: range) -> None:
     """Segment i on partition i % 2, each partition's in one batch."""
     async with make_producer(bootstrap, linger_ms=20) as producer:
-        queued = [await producer.send(topic, encode(segment(i)), partition=i % 2) for i in indices]
+        queued = [
+            await producer.send(topic, encode(segment(trajectory_id=f"p{i}/0", token_ids=[4])), partition=i % 2)
+            for i in indices
+        ]
         for delivery in queued:
             await delivery
 

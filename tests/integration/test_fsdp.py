@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
+from tests.factories import tiny_qwen2
 from workers.trainer.distributed import (
     ONE_PROCESS,
     ProcessGroupCollective,
@@ -48,18 +49,8 @@ CASES = {  # 8 minibatches of one row: rank 1 has no rows and runs fillers only
 
 
 def make_model() -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=32,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )  # as small Qwen2 models: one tensor, two names
-    return Qwen2ForCausalLM(config).float()
+    sizes = dict(vocab_size=32, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return tiny_qwen2(tie_word_embeddings=True, **sizes)  # as small Qwen2 models: one tensor, two names
 
 
 def make_batch():
@@ -101,7 +92,12 @@ def run_ranks(out: Path) -> None:
 @pytest.mark.slow  # two torchrun ranks and a reference run: ~18 s on 2 cores
 def test_two_fsdp_ranks_match_one_process(tmp_path):
     out = tmp_path / "ranks.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    root = str(Path(__file__).resolve().parents[2])  # the ranks run this file as a script: `tests` imports from here
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+    }
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__, str(out)]
     ranks = subprocess.run(command, timeout=120, env=env, stderr=subprocess.PIPE, text=True)
     if ranks.returncode and TEARDOWN_ABORT in ranks.stderr:  # 3 runs in 57 before the exit hook, 0 in 120 with it

@@ -22,8 +22,6 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
 )
 
 from pipeline.cli import main as cli
@@ -31,6 +29,7 @@ from pipeline.config import ConfigError, load_config, resolve, save_config
 from pipeline.demo_model import build_tokenizer
 from pipeline.export_model import export_final, export_model
 from schemas.messages import PromptGroup, Scored
+from tests.factories import tiny_qwen2
 from workers import runtime
 from workers.models import encode_prompt
 from workers.prompt_source import INITIAL, Source
@@ -67,7 +66,7 @@ def build_family(family: str, path: Path) -> None:
     else:
         sizes = dict(hidden_size=32, num_hidden_layers=2, intermediate_size=64, max_position_embeddings=64, **ids)
         if family == "qwen2":
-            model = Qwen2ForCausalLM(Qwen2Config(num_attention_heads=2, num_key_value_heads=1, **sizes))
+            model = tiny_qwen2(**sizes)
         else:
             model = LlamaForCausalLM(
                 LlamaConfig(num_attention_heads=4, num_key_value_heads=2, bos_token_id=None, **sizes)

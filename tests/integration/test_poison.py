@@ -13,6 +13,7 @@ from pipeline.cli import main
 from pipeline.config import load_config, resolve
 from schemas.messages import BatchManifest, DeadLetter, PromptGroup, Scored, encode
 from schemas.validate import decode
+from tests import factories
 from topics.broker import EmbeddedBroker
 from topics.clients import make_producer, send_and_wait
 from topics.inspect import read_records
@@ -26,11 +27,14 @@ GROUP = PromptGroup(
 
 
 def scored(sample: int, reward: float) -> Scored:
-    return Scored(
-        trajectory_id=f"p/0/{sample}", prompt_id="p/0", sample_index=sample, n_samples=2, release_index=0,
-        released_at_version=0, attempt="rollout-0:1", prompt_tokens=GROUP.prompt_tokens, completion_tokens=[6, 1],
-        logprobs=[-0.5, -0.25], versions=[0, 0], finish_reason="stop", num_segments=1, reward=reward,
-    )  # fmt: skip
+    return factories.scored(
+        group=GROUP,
+        sample=sample,
+        attempt="rollout-0:1",
+        completion_tokens=[6, 1],
+        logprobs=[-0.5, -0.25],
+        reward=reward,
+    )
 
 
 async def test_trainer_dead_letters_poison_from_the_broker_and_replay_tail_names_it(

@@ -14,6 +14,7 @@ from pipeline.cli import main
 from pipeline.demo_model import build_tokenizer
 from pipeline.replay import BrokerTopics, TrajectoryReplay, load_trajectory, render_trajectory, tail, version_runs
 from schemas.messages import BatchManifest, DroppedGroup, Message, PromptGroup, Scored, Segment
+from tests import factories
 from topics.assembly import Attempt
 from topics.broker import EmbeddedBroker
 from topics.clients import make_producer, send
@@ -32,19 +33,17 @@ def group(prompt_id: str) -> PromptGroup:
 
 
 def segment(attempt: str, index: int, version: int, tokens: list[int], finish: str) -> Segment:
-    return Segment(
-        trajectory_id="p/0/0", attempt=attempt, segment_index=index, version=version, token_ids=tokens,
-        logprobs=[-0.1] * len(tokens), finish_reason=finish, worker_id=attempt.split(":")[0],
-        group=group("p/0") if index == 0 else None,
+    return factories.segment(
+        attempt=attempt, segment_index=index, version=version, token_ids=tokens, logprobs=[-0.1] * len(tokens),
+        finish_reason=finish, group=group("p/0") if index == 0 else None,
     )  # fmt: skip
 
 
 def scored(trajectory_id: str, versions: list[int], reward: float) -> Scored:
-    return Scored(
-        trajectory_id=trajectory_id, prompt_id="p/0", sample_index=int(trajectory_id[-1]), n_samples=2,
-        release_index=0, released_at_version=2, attempt="rollout-a:1", prompt_tokens=[ONE, 13, TWO, 14],
+    return factories.scored(
+        group=group("p/0"), sample=int(trajectory_id[-1]), trajectory_id=trajectory_id, attempt="rollout-a:1",
         completion_tokens=[THREE, EOS][: len(versions)], logprobs=[-0.1] * len(versions), versions=versions,
-        finish_reason="stop", num_segments=2, reward=reward, completion_text="3",
+        num_segments=2, reward=reward, completion_text="3",
     )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ import pytest
 from pipeline.config import load_config, resolve
 from pipeline.monitor import budget_spent, reward_summary
 from schemas.messages import DeadLetter, PromptGroup, Scored, Segment
+from tests import factories
 from topics.memory import MemoryTransport
 from topics.names import TopicLayout
 from workers import runtime
@@ -32,10 +33,9 @@ def group(n: int) -> PromptGroup:
 
 
 def segment(prompt: PromptGroup, sample: int, token_ids: list[int]) -> Segment:
-    return Segment(
-        trajectory_id=f"{prompt.prompt_id}/{sample}", attempt=f"w:{sample}", segment_index=0, version=0,
-        token_ids=token_ids, logprobs=[-0.5] * len(token_ids), finish_reason="stop", worker_id="w", group=prompt,
-    )  # fmt: skip
+    return factories.segment(
+        trajectory_id=f"{prompt.prompt_id}/{sample}", attempt=f"w:{sample}", token_ids=token_ids, group=prompt
+    )
 
 
 def reward_config(tmp_path, model_dir, *overrides: str):

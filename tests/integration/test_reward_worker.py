@@ -5,6 +5,7 @@ import asyncio
 from pipeline.config import load_config, resolve
 from pipeline.demo_model import build_model, build_tokenizer
 from schemas.messages import PromptGroup, Scored
+from tests.factories import text_segment
 from topics.clients import make_producer, send
 from topics.readers import read_topic
 from workers.reward import worker as reward_worker
@@ -30,7 +31,7 @@ async def score_two(config, broker, topic_layout) -> dict[str, Scored]:
         await asyncio.wait_for(task, 30)
 
 
-async def test_segments_become_one_scored_trajectory_each(broker, topic_layout, tmp_path, text_segment):
+async def test_segments_become_one_scored_trajectory_each(broker, topic_layout, tmp_path):
     tokenizer = build_tokenizer(tmp_path / "model")
     build_model(tmp_path / "model", tokenizer)  # the worker reads the model's vocabulary from its config
     config = resolve(
@@ -59,14 +60,14 @@ async def test_segments_become_one_scored_trajectory_each(broker, topic_layout, 
     )
     messages = [
         # sample 0: attempt a (dies after one segment), then attempt b finishes across two versions
-        text_segment(tokenizer, "e0-r1/0", "a:0", 0, 3, "5", "interrupted", group),
-        text_segment(tokenizer, "e0-r1/0", "b:0", 1, 5, "5", "stop"),  # arrives before its segment 0
-        text_segment(tokenizer, "e0-r1/0", "b:0", 0, 4, "5", "interrupted", group),
-        text_segment(tokenizer, "e0-r1/0", "a:0", 1, 4, "6", "stop"),  # attempt a finishes late: ignored
+        text_segment(tokenizer, "5", trajectory_id="e0-r1/0", attempt="a:0", version=3, finish_reason="interrupted", group=group),
+        text_segment(tokenizer, "5", trajectory_id="e0-r1/0", attempt="b:0", segment_index=1, version=5),  # arrives before its segment 0
+        text_segment(tokenizer, "5", trajectory_id="e0-r1/0", attempt="b:0", version=4, finish_reason="interrupted", group=group),
+        text_segment(tokenizer, "6", trajectory_id="e0-r1/0", attempt="a:0", segment_index=1, version=4),  # attempt a finishes late: ignored
         # sample 1: wrong answer, one segment
-        text_segment(tokenizer, "e0-r1/1", "b:1", 0, 4, "54", "stop", group),
-        text_segment(tokenizer, "e0-r1/1", "b:1", 0, 4, "54", "stop", group),  # delivered twice
-    ]
+        text_segment(tokenizer, "54", trajectory_id="e0-r1/1", attempt="b:1", version=4, group=group),
+        text_segment(tokenizer, "54", trajectory_id="e0-r1/1", attempt="b:1", version=4, group=group),  # delivered twice
+    ]  # fmt: skip
     async with make_producer(broker.bootstrap) as producer:
         for message in messages:
             await send(producer, topic_layout.name("segments"), message, key=message.trajectory_id)

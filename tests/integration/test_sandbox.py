@@ -3,8 +3,8 @@
 Each attack runs as an untrusted program would, and fails with its reason; the calling process keeps its
 files, its environment and its helper processes; and after every test no process of any execution is left
 (`nothing_left_behind`: none of the sandbox's host user, nobody, none running bwrap or the sandboxed program),
-and this process can still fork. bwrap comes from the `bubblewrap` fixture (tests/conftest.py), which installs
-Debian's package when it is missing.
+and this process can still fork. bwrap comes from the `bubblewrap` fixture (tests/conftest.py); `make system-deps`
+installs Debian's package.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`asyncrl slurm submit` on a real Slurm cluster of three simulated nodes.
 
-The session fixture installs Debian's slurm-wlm and munge with apt-get when
-slurmctld is missing (Linux, root), then starts munged, slurmctld and one slurmd
+The session fixture (Linux, root; `make system-deps` installs Debian's slurm-wlm
+and munge) starts munged, slurmctld and one slurmd
 per node (`slurmd -N n1` ...) as children of the test, under a temporary
 directory. The nodes n1, n2 and n3 share this host's name and 127.0.0.1 (only
 SLURMD_NODENAME tells them apart, and their names resolve nowhere); each declares
@@ -33,13 +33,13 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from system_packages import apt_install
 
 from pipeline.chaos.audit import audit_export
 from pipeline.config import load_config
 from pipeline.retrain import load_record, retrain
 from schemas.messages import BatchManifest, WeightVersion
 from schemas.validate import decode
+from tests.system_packages import SBIN_PATH, require_tools
 from topics.export import export_topics, load_export
 from workers.announce import load_key
 
@@ -62,7 +62,6 @@ WORKER_DONE = {
     "reward": "reward worker finished",
     "trainer": "trainer finished",
 }
-SBIN_PATH = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
 NODES = ("n1", "n2", "n3")  # slurm.conf's names, which resolve nowhere
 NODE_LIST = "n[1-3]"
 
@@ -165,11 +164,8 @@ class Cluster:
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     if sys.platform != "linux" or os.geteuid() != 0:
-        pytest.skip("a real Slurm cluster needs Linux and root (apt-get, munged, slurmd)")
-    apt_install(
-        ["slurm-wlm", "munge"],
-        lambda: bool(shutil.which("slurmctld", path=SBIN_PATH) and shutil.which("munged", path=SBIN_PATH)),
-    )
+        pytest.skip("a real Slurm cluster needs Linux and root (munged, slurmd)")
+    require_tools(["slurmctld", "munged"], ["slurm-wlm", "munge"], "system-deps")
     root = tmp_path_factory.mktemp("slurm")
     key = write_cluster_files(root, socket.gethostname().split(".")[0])
     env = {**os.environ, "SLURM_CONF": str(root / "slurm.conf")}

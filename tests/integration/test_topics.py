@@ -27,6 +27,7 @@ from schemas.messages import (
     encode,
 )
 from schemas.validate import DecodeError, decode
+from tests import factories
 from topics.admin import BrokerUnreachable, TopicMismatchError, ensure_topics
 from topics.broker import BrokerError, EmbeddedBroker
 from topics.clients import (
@@ -71,16 +72,7 @@ def prompt_group(prompt_id: str = "run/0/0", text: str = "What is 2+2?") -> Prom
 
 
 def segment(index: int) -> Segment:
-    return Segment(
-        trajectory_id=f"run/0/0/{index}",
-        attempt="rollout-0:1",
-        segment_index=0,
-        version=0,
-        token_ids=[index, index + 1],
-        logprobs=[-0.5, -0.25],
-        finish_reason="stop",
-        worker_id="rollout-0",
-    )
+    return factories.segment(trajectory_id=f"run/0/0/{index}", token_ids=[index, index + 1], logprobs=[-0.5, -0.25])
 
 
 def one_of_each() -> dict[str, Message]:

@@ -114,7 +114,7 @@ class Chain(Task):
 
     def score(self, completion: str, answer: str) -> float:
         """math-verify's verdict on the final answer. Two digit strings are compared as integers first, which is
-        that verdict (tests/unit/test_chain_task.py checks it) without sympy: parsing both took ~1-4 ms a call,
+        that verdict (tests/unit/workers/tasks/test_chain.py checks it) without sympy: parsing both took ~1-4 ms a call,
         half of the reward worker's CPU on this task, whose references are all digit strings."""
         from math_verify import parse, verify
 
