@@ -3,7 +3,7 @@
 `python -m pipeline.reference` writes docs/pages/reference/config.md (from `schemas.config.RunConfig`, through
 the walk `asyncrl run --dry-run --explain` prints) and docs/pages/reference/cli.md (from
 `pipeline.cli.build_parser()`); `--check` exits 1 when the committed pages differ, so the docs cannot drift
-from the schema (`make docs` and tests/unit/test_reference.py run it). The text names no path, date or
+from the schema (`make docs` and tests/unit/pipeline/test_reference.py run it). The text names no path, date or
 terminal width: the same code always gives the same pages.
 """
 
