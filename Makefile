@@ -89,7 +89,7 @@ format: install-test
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-# on a CUDA machine, the GPU checks and benchmarks (README, GPU check); no install step, as a GPU machine has no registry;
+# on a CUDA machine, the GPU checks and benchmarks (docs: The GPU check); no install step, as a GPU machine has no registry;
 # GPU_CHECK_ARGS passes options, e.g. GPU_CHECK_ARGS="--out $OUT/gpu-check.json --only generate-bf16"
 gpu-check:
 	@$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) -m pipeline.cli gpu-check $(GPU_CHECK_ARGS)

@@ -1,6 +1,6 @@
 """`asyncrl gpu-check` (`make gpu-check`): the questions only a CUDA machine can answer, in one command.
 
-It has run on an H100 (numbers in the README, GPU check; two NCCL ranks need two GPUs).
+It has run on an H100 (numbers in docs/pages/guides/gpu-check.md; two NCCL ranks need two GPUs).
 Without CUDA it prints one line and exits 2 before anything else. On CUDA it runs `CHECKS` in order, each on its
 own, so that a failing one does not hide the others' results, then prints a summary table; the JSON is rewritten
 after every check, so a call cut off by the device's time limit still leaves what ran. The two targets the

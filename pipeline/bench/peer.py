@@ -51,7 +51,7 @@ LOSS_TYPES = {"token_mean": "dapo", "seq_mean": "grpo", "token_sum_norm": "dr_gr
 # trainer.loss.advantage -> TRL's scale_rewards (TRL's GRPO has no leave-one-out baseline)
 REWARD_SCALING = {"grpo": "group", "drgrpo": "none"}
 # steps of both systems when --steps is not given, by task (else the task config's): TRL's run on arith as
-# the README measures it, twice the shipped arith config's 600 (which drops groups without advantage)
+# docs: Benchmarks measures it, twice the shipped arith config's 600 (which drops groups without advantage)
 PEER_STEPS = {"arith": 1200}
 
 

@@ -99,7 +99,7 @@ def add_peer_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--steps",
         type=int,
-        help="trainer steps of each (default: 1,200 on arith, TRL's run in the README, which needs them to learn "
+        help="trainer steps of each (default: 1,200 on arith, TRL's run in docs: Benchmarks, which needs them to learn "
         "what asyncrl's shipped arith config learns in 600; else the task config's trainer.steps)",
     )
     parser.add_argument("--seed", type=int, default=0, help="demo model, data order and sampling (default: 0)")

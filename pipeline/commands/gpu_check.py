@@ -9,7 +9,7 @@ import argparse
 def add_parser(commands: argparse._SubParsersAction) -> None:
     gpu = commands.add_parser(
         "gpu-check",
-        help="on a CUDA machine: the checks and benchmarks only a GPU can answer (README, GPU check)",
+        help="on a CUDA machine: the checks and benchmarks only a GPU can answer (docs: The GPU check)",
         description="Engine vs HF generate in bfloat16, bench pipeline with a ~100M-parameter model, packed "
         "attention on the GPU (SDPA per sequence and FlexAttention) against the CPU path, trainer steps over NCCL "
         "on one and two ranks, bench microbatch on cuda. A failing check does not stop the others; a summary "

@@ -1,4 +1,4 @@
-"""Pre-flight: what used to crash-loop the workers is one line with the fix before any worker starts, and
+"""Pre-flight: what would crash-loop the workers is one line with the fix before any worker starts, and
 rows the model cannot take go to dead-letter with their line numbers, counted on the console."""
 
 from __future__ import annotations

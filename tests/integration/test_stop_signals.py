@@ -1,5 +1,6 @@
 """A stop signal raises RunStopped in the launcher's main thread wherever it is, except inside a worker's start:
-raised inside Popen it left a process running that the launcher had not recorded, so never stopped (CI, session 28)."""
+raised inside Popen it would leave a process running that the launcher has not recorded, so never stops (CI has
+caught it)."""
 
 from __future__ import annotations
 

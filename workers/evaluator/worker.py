@@ -6,7 +6,7 @@ never waits for the answer. This process (`asyncrl worker eval`, started by the 
 the queue oldest first with `workers.evaluator.scoring`: the version's `eval` line in metrics.jsonl, its
 rows in `eval/v<version>.jsonl`. It runs under SCHED_IDLE, so the kernel gives it a core only when
 no other process wants one: an evaluation takes (almost) nothing from the trainer and the rollout
-workers (README, Benchmarks); it falls behind instead and catches up when they wait, or once they
+workers (docs: Decisions, the evaluator in the launcher); it falls behind instead and catches up when they wait, or once they
 have stopped (the launcher asks for the final version, then waits for the queue to empty; the
 evaluator then takes the normal policy back where it may: idle-class, it would wait behind any busy
 process on the machine). A version that cannot be scored is dropped with the reason in its log: it

@@ -254,7 +254,7 @@ class Rollout:
 
         A decode step (~7 ms on a CPU) runs on the loop's own thread, and the loop serves Kafka between steps:
         handing each one to a thread and back cost ~10 % of a two-worker chain run's steps per second where
-        processes share cores (two thread wake-ups per step, each waiting for a core; README, Benchmarks).
+        processes share cores (two thread wake-ups per step, each waiting for a core; docs: Benchmarks, history).
         A step that prefills (admitted requests, or every running one after a weight load) can take seconds:
         it runs in a thread, so that the loop never stops for that long (heartbeats, `topics/clients.py`).
         """

@@ -187,7 +187,9 @@ def test_a_busy_rollout_beside_idle_cores_is_named_with_the_fix():
 
 
 def test_a_trainer_waiting_for_due_stragglers_is_named():
-    held = {"step_breakdown": {"train": 0.397, "wait": 0.394, "wait_due": 0.373}}  # session 20's two-worker chain run
+    # the trainer's step breakdown (s) of `asyncrl bench pipeline --task chain rollout.workers=2 broker.partitions=2`
+    # on 2 cores of an AMD EPYC, 2026-11-25
+    held = {"step_breakdown": {"train": 0.397, "wait": 0.394, "wait_due": 0.373}}
     assert straggler_bound(held) == (
         "the trainer waited 0.394 s a step, 0.373 s of it for stragglers of groups due at their staleness deadline "
         "while a batch was ready: long answers hold training back (a larger trainer.max_staleness gives them more "
@@ -195,7 +197,7 @@ def test_a_trainer_waiting_for_due_stragglers_is_named():
     )
     assert straggler_bound({"step_breakdown": {"wait": 0.394, "wait_due": 0.1}}) is None  # mostly generation
     assert straggler_bound({"step_breakdown": {"wait": 0.04, "wait_due": 0.04}}) is None  # too short to matter
-    assert straggler_bound({"step_breakdown": {"wait": 1.3}}) is None  # a run from before the trainer timed it
+    assert straggler_bound({"step_breakdown": {"wait": 1.3}}) is None  # a summary without wait_due
 
 
 def test_cores_given_per_role_against_the_machine():

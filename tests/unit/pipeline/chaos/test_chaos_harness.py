@@ -99,7 +99,7 @@ def test_the_audit_finds_lost_groups_and_gaps_in_steps_and_versions() -> None:
 
 
 def test_the_audit_finds_a_step_that_trained_groups_of_a_later_version() -> None:
-    """Session 33's chaos run: a restarted trainer redid step 10's manifest as step 7 (staleness -2)."""
+    """As a chaos run once found: a restarted trainer redid step 10's manifest as step 7 (staleness -2)."""
     lines = [{"step": 6, "staleness_max": 1}, {"step": 7, "staleness_max": -2}, {"step": 8}]
     assert order_problems(lines) == ["step 7 trained groups released 2 versions after its own"]
 
