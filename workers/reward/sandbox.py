@@ -14,11 +14,14 @@ When the caller is root, bwrap runs as `nobody` (65534): the code is an unprivil
 too, not host root in a user namespace (for which the kernel would not even count processes against
 RLIMIT_NPROC). prlimit sets CPU seconds, address space, processes, file size and open files before
 Python starts; the process count is per user namespace (Linux >= 5.14), so per execution. The caller
-reads stdout and stderr up to `limits.output_bytes` each, and at the wall-clock limit or on overflow
-kills the sandbox's pid 1, which takes every process of its pid namespace with it. A daemon or double
-fork cannot outlive the execution either: when the program ends bwrap exits, and its pid 1 dies with it
-(--die-with-parent). `run_python` returns once that pid 1 is gone, and reaps it (see `Adoption`). A seccomp
-filter refuses the kernel keyring's calls and other ABIs' (`seccomp_filter`).
+reads stdout and stderr up to `limits.output_bytes` each. When the program ends, at the wall-clock limit
+or on overflow, it kills every process of the sandbox: its cgroup's at once where the host lets it make one
+(workers/reward/cgroup.py; root, Linux >= 5.14), and the sandbox's pid 1, which takes every process of its pid
+namespace with it, whether bwrap still runs or not (a program that writes into pid 1's memory through
+/proc/1/mem can make bwrap exit early and pid 1 stay). No daemon or double fork outlives its execution:
+`run_python` returns once pid 1 is gone and reaped (see `Adoption`) and the cgroup is empty and removed, and
+raises SandboxError if a process stays. A seccomp filter refuses the kernel keyring's calls, ptrace's and
+other ABIs' (`seccomp_filter`).
 Needs Linux >= 5.4 (pidfds) and bubblewrap >= 0.8 (--disable-userns, --size).
 
 Warm (the default; ASYNCRL_SANDBOX=cold for a bwrap per execution): the same sandbox, one per execution running
@@ -54,6 +57,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+from workers.reward.cgroup import GATE, Cgroup
 from workers.reward.zygote import HEADER as FRAME
 from workers.reward.zygote import feed, write_frame
 
@@ -76,8 +80,11 @@ Status = Literal["ok", "error", "timeout", "memory", "output_limit", "killed"]
 SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
 BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x06
 SOCK_FILTER = struct.Struct("=HBBI")  # code, jump if true, jump if false, k
-# machine -> (AUDIT_ARCH_*, the numbers of add_key, request_key, keyctl)
-SECCOMP_ARCHES = {"x86_64": (0xC000003E, (248, 249, 250)), "aarch64": (0xC00000B7, (217, 218, 219))}
+# machine -> (AUDIT_ARCH_*, the numbers of add_key, request_key, keyctl, ptrace, process_vm_readv, process_vm_writev)
+SECCOMP_ARCHES = {
+    "x86_64": (0xC000003E, (248, 249, 250, 101, 310, 311)),
+    "aarch64": (0xC00000B7, (217, 218, 219, 117, 270, 271)),
+}
 
 
 class SandboxError(RuntimeError):
@@ -148,7 +155,7 @@ def run_python(source: str, stdin: str = "", limits: Limits = Limits(), warm: bo
         stdout, stderr, ended = sandbox.communicate(stdin.encode())
     exit_code = None if ended else sandbox.process.returncode
     # bwrap's set-up failed (a program that writes such a line itself and exits 1 fails only its own execution)
-    if exit_code == 1 and stderr.startswith(b"bwrap: ") and not stdout:
+    if exit_code == 1 and stderr.startswith((b"bwrap: ", b"sandbox: ")) and not stdout:
         raise SandboxError(f"{first_line(stderr)} (is the package {PACKAGE} working here?)")
     return execution(exit_code, stdout, stderr, ended, limits, started)
 
@@ -169,11 +176,12 @@ def memfd(name: str, data: bytes) -> int:
 
 
 class Sandbox:
-    """One bwrap process and its pipes. Leaving the `with` kills what still runs and returns once the sandbox's
-    pid 1 is gone (the kernel empties a pid namespace before its pid 1 counts as exited) and reaped here."""
+    """One bwrap process and its pipes, in a cgroup of its own where the host allows (`Cgroup`). Leaving the `with`
+    kills every process of the sandbox, by handles no program can dodge (its cgroup, and the pidfd of its pid
+    namespace's pid 1), and returns once none is left and pid 1 is reaped here."""
 
     def __init__(self, bwrap: str, python: str, source: str, limits: Limits, warm: bool = False):
-        self.limits, self.info, self.pidfd = limits, bytearray(), None
+        self.limits, self.info, self.pidfd, self.cgroup = limits, bytearray(), None, Cgroup.create()
         program = memfd("sandbox-source", source.encode())  # bwrap copies it into the sandbox before the code starts
         seccomp = memfd("sandbox-seccomp", SECCOMP)
         self.info_fd, info_write = os.pipe()  # bwrap writes the host pid of the sandbox's pid 1 here
@@ -182,42 +190,60 @@ class Sandbox:
             command = bwrap_command(bwrap, python, limits, program, info_write, warm)
             if SECCOMP:
                 command[1:1] = ["--seccomp", str(seccomp)]
-            self.process = start(command, (program, seccomp, info_write))
+            self.process = start([*GATE, *command] if self.cgroup else command, (program, seccomp, info_write))
         except BaseException:
             os.close(self.info_fd)
+            if self.cgroup is not None:
+                self.cgroup.remove(KILL_WAIT_S)
             raise
         finally:
             for fd in (program, seccomp, info_write):
                 os.close(fd)
+        if self.cgroup is not None:
+            try:
+                self.cgroup.add(self.process.pid)
+                os.write(self.process.stdin.fileno(), b"\n")  # the gate opens: bwrap starts in the group
+            except BaseException:
+                self.__exit__()
+                raise
 
     def __enter__(self) -> Sandbox:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.read_info()  # bwrap may have named pid 1 since the last read
-        if self.process.poll() is None:
+        """Kill what is left, whether bwrap still runs or not (a program that ptraces the sandbox's pid 1 can make
+        bwrap exit early and keep pid 1 alive), and check that nothing is: SandboxError if a process stays."""
+        try:
+            self.read_info()  # bwrap may have named pid 1 since the last read (it does before the program starts)
             self.kill()
-        self.read_info()
-        if self.pidfd is not None:
-            select.select([self.pidfd], [], [], KILL_WAIT_S)  # readable once pid 1, so every process, is gone
-            with contextlib.suppress(ChildProcessError):  # bwrap reaped it itself
-                os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOHANG)  # an orphan adopted here
-            os.close(self.pidfd)
-        os.close(self.info_fd)
-        for pipe in (self.process.stdin, self.process.stdout, self.process.stderr):
-            pipe.close()
+            if self.pidfd is not None:
+                if not select.select([self.pidfd], [], [], KILL_WAIT_S)[0]:  # readable once pid 1, so all, is gone
+                    raise SandboxError("the sandbox's pid 1 outlived a SIGKILL")
+                with contextlib.suppress(ChildProcessError):  # bwrap reaped it itself
+                    os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOHANG)  # an orphan adopted here
+            if self.cgroup is not None and not self.cgroup.remove(KILL_WAIT_S):
+                raise SandboxError(f"a process of the sandbox outlived a SIGKILL, in {self.cgroup.directories[0]}")
+        finally:
+            if self.pidfd is not None:
+                os.close(self.pidfd)
+            os.close(self.info_fd)
+            for pipe in (self.process.stdin, self.process.stdout, self.process.stderr):
+                pipe.close()
 
     def kill(self) -> None:
-        """SIGKILL the sandbox's pid 1, so bwrap reaps it once the kernel has emptied its namespace and exits;
-        bwrap's process group if pid 1 is not known yet, or bwrap does not end (pid 1 then dies with it)."""
+        """SIGKILL every process of the sandbox: its cgroup's at once, and its pid 1, whose end ends its whole pid
+        namespace; bwrap's process group too where neither is known (bwrap has not named pid 1 yet). Returns once
+        bwrap is reaped."""
+        if self.cgroup is not None:
+            self.cgroup.kill()
         if self.pidfd is not None:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+        if self.cgroup is None or self.cgroup.unified is None:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(KILL_WAIT_S)
-                return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(KILL_WAIT_S if self.pidfd is not None else 0)  # bwrap ends once pid 1 is gone
+            if self.process.poll() is None:
+                os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
 
     def read_info(self) -> bool:
@@ -429,10 +455,13 @@ atexit.register(WARM.close)
 
 def seccomp_filter(machine: str | None = None) -> bytes:
     """A seccomp program (struct sock_filter[], what bwrap's --seccomp loads) that answers ENOSYS to the kernel
-    keyring's calls, to every call of another ABI (i386, x32: numbers it does not check), and lets everything
-    else through. Keyrings are the one thing the namespaces do not separate between the executions of a warm
-    server (their user keyring is the server's user namespace's), and the keys' quota is the host user's
-    (nobody's) in either mode. Empty on a machine whose call numbers it does not know (warm mode is then off)."""
+    keyring's calls, to ptrace's and to every call of another ABI (i386, x32: numbers it does not check), and
+    lets everything else through. Keyrings are the one thing the namespaces do not separate between the
+    executions of a warm server (their user keyring is the server's user namespace's), and the keys' quota is
+    the host user's (nobody's) in either mode. ptrace and the calls that read or write another process's memory
+    would let a cold program take over the sandbox's pid 1 (/proc/1/mem still can: the sandbox's end does not
+    rely on pid 1, see `Sandbox.kill`). Empty on a machine whose call numbers it does not know (warm mode is
+    then off)."""
     machine = machine or os.uname().machine
     if machine not in SECCOMP_ARCHES:
         return b""

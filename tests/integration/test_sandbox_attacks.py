@@ -1,0 +1,46 @@
+"""Attacks on the sandbox (workers/reward/sandbox.py) that once got through, each in both modes: a program that
+outlives its execution, odd text that broke the host's side, and memory that the address-space limit does not
+count. The fixtures are test_sandbox.py's: every test runs cold and warm, and nothing of an execution may be
+left after it."""
+
+from __future__ import annotations
+
+import platform
+import secrets
+
+import pytest
+from test_sandbox import mode, nothing_left_behind, sandbox_processes  # noqa: F401 (fixtures)
+
+from workers.reward.sandbox import Limits, run_python
+
+pytestmark = pytest.mark.usefixtures("bubblewrap")
+
+# Rewrites the code where the sandbox's pid 1 (bwrap's init, cold) returns from wait4, through /proc/1/mem
+# (which seccomp cannot refuse): pid 1 clears its parent-death signal, tells bwrap that the program exited
+# (bwrap then exits), and pauses for ever; a daemon of the program's stays with it.
+ESCAPE = """\
+import os, struct, subprocess
+subprocess.Popen(["/usr/bin/python3", "-c", "import time; time.sleep(120)  # MARKER"], stdin=subprocess.DEVNULL,
+                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+pc = int(open("/proc/1/syscall").read().split()[-1], 16)
+eventfd = next(int(fd) for fd in os.listdir("/proc/1/fd") if "eventfd" in os.readlink(f"/proc/1/fd/{fd}"))
+code = (
+    b"\\xbf\\x01\\x00\\x00\\x00\\x31\\xf6\\xb8\\x9d\\x00\\x00\\x00\\x0f\\x05"  # prctl(PR_SET_PDEATHSIG, 0)
+    + b"\\x6a\\x01\\x48\\x89\\xe6\\xbf" + struct.pack("<I", eventfd)  # write(eventfd, &1, 8): bwrap exits
+    + b"\\xba\\x08\\x00\\x00\\x00\\xb8\\x01\\x00\\x00\\x00\\x0f\\x05"
+    + b"\\xb8\\x22\\x00\\x00\\x00\\x0f\\x05\\xeb\\xf7"  # pause() for ever
+)
+with open("/proc/1/mem", "r+b", buffering=0) as mem:
+    mem.seek(pc)
+    mem.write(code)
+print("pid 1 patched")
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the attack's machine code is x86-64's")
+def test_a_program_that_takes_over_pid_1_does_not_outlive_its_execution():
+    marker = f"asyncrl-escape-{secrets.token_hex(8)}"
+    limits = Limits(wall_s=4.0)
+    done = run_python(ESCAPE.replace("MARKER", marker), limits=limits)
+    assert done.seconds < limits.wall_s + 2.0
+    assert [process for process in sandbox_processes() if marker in process] == []
