@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import platform
 import secrets
+import time
 
 import pytest
 from test_sandbox import mode, nothing_left_behind, sandbox_processes  # noqa: F401 (fixtures)
 
+from workers.reward.code import code_reward, extract_code
 from workers.reward.sandbox import Limits, run_python
 
 pytestmark = pytest.mark.usefixtures("bubblewrap")
@@ -44,3 +46,36 @@ def test_a_program_that_takes_over_pid_1_does_not_outlive_its_execution():
     done = run_python(ESCAPE.replace("MARKER", marker), limits=limits)
     assert done.seconds < limits.wall_s + 2.0
     assert [process for process in sandbox_processes() if marker in process] == []
+
+
+@pytest.mark.parametrize(
+    ("source", "stdin", "reason"),
+    [
+        ("print('a')  # \ud800", "", "source is not Unicode text: a lone surrogate at character 14"),
+        ("print(input())", "\udcff\n", "stdin is not Unicode text: a lone surrogate at character 0"),
+        ("print('a')\0print('b')", "", "source holds a NUL byte at character 10"),
+    ],
+)
+def test_odd_text_is_an_error_result_the_same_in_both_modes(source, stdin, reason):
+    done = run_python(source, stdin, Limits(wall_s=4.0))
+    assert (done.status, done.exit_code, done.stdout, done.stderr) == ("error", None, "", "")
+    assert done.reason == f"the program's {reason}"
+
+
+def test_a_surrogate_in_a_completion_scores_0_without_an_exception():
+    completion = "```python\ndef f():\n    return '\udc80'\n```"
+    assert code_reward("", completion, {"tests": "assert f() == 1"})[0] == 0.0
+    assert code_reward("", completion, {"inputs": '["\\udc80"]', "outputs": '["1"]'})[0] == 0.0
+
+
+def test_the_program_runs_from_its_bytes_in_both_modes_coding_line_included():
+    done = run_python("# -*- coding: latin-1 -*-\nprint(len('\u00e9'))", limits=Limits(wall_s=4.0))
+    assert (done.status, done.stdout) == ("ok", "2\n")  # é in UTF-8, read as Latin-1: two characters
+
+
+@pytest.mark.parametrize("opening", ["```", "```\t", "```python"])
+def test_extracting_code_after_a_fence_and_64000_blanks_takes_linear_time(opening):
+    started = time.process_time()
+    assert extract_code(opening + " \t" * 32000) == opening.strip()
+    assert extract_code(opening + " " * 64000 + "\nx = 1") == "x = 1"
+    assert time.process_time() - started < 0.2

@@ -34,7 +34,9 @@ from workers.reward.sandbox import Execution, Limits, run_python
 LIMITS = Limits(cpu_s=2.0, wall_s=4.0, memory_mb=256, processes=8, file_mb=8, output_bytes=65536)
 BUDGET_S = 8.0  # wall clock for all stdin/stdout executions of one completion (below reward.timeout_s' default)
 MAX_VALUE_CHARS = 16384  # a tested value's repr longer than this fails its test
-FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
+# A fence's opening line: blanks, maybe a language and blanks, one newline; each run of blanks tried once (in
+# linear time: two runs side by side would make a line of blanks without a newline cost its length squared).
+FENCE = re.compile(r"```[ \t]*(?:(?:python3?|py)[ \t]*)?\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 NOT_LITERAL = object()
 SINGLETONS = (None, True, False)  # what `is` compares with in tests (`assert f(x) is None`): the same objects here
 COMPARE: dict[type[ast.cmpop], Callable[[object, object], bool]] = {

@@ -146,18 +146,39 @@ def run_python(source: str, stdin: str = "", limits: Limits = Limits(), warm: bo
     """Run `source` as a Python program with `stdin` in a fresh sandbox; always returns, whatever the code does,
     once no process of the execution is left. `warm` (default: the environment's ASYNCRL_SANDBOX, warm unless
     it says cold) runs it in a child of a warm server (see `Zygote`) instead of a bwrap of its own. Raises
-    SandboxError only when the sandbox itself cannot start."""
+    SandboxError only when the sandbox itself cannot start; text that cannot run the same in both modes is an
+    error without an execution (see `encoded`)."""
+    try:
+        program, data = encoded(source, stdin)
+    except ValueError as refused:
+        return Execution("error", None, "", "", str(refused), 0.0)
     if (warm if warm is not None else os.environ.get(MODE_VARIABLE, "warm") != "cold") and SECCOMP:
-        return WARM.run(source, stdin, limits)
+        return WARM.run(program, data, limits)
     bwrap, python = find_bwrap(), find_python()
     started = time.monotonic()
-    with ADOPTION, Sandbox(bwrap, python, source, limits) as sandbox:
-        stdout, stderr, ended = sandbox.communicate(stdin.encode())
+    with ADOPTION, Sandbox(bwrap, python, program, limits) as sandbox:
+        stdout, stderr, ended = sandbox.communicate(data)
     exit_code = None if ended else sandbox.process.returncode
     # bwrap's set-up failed (a program that writes such a line itself and exits 1 fails only its own execution)
     if exit_code == 1 and stderr.startswith((b"bwrap: ", b"sandbox: ")) and not stdout:
         raise SandboxError(f"{first_line(stderr)} (is the package {PACKAGE} working here?)")
     return execution(exit_code, stdout, stderr, ended, limits, started)
+
+
+def encoded(source: str, stdin: str) -> tuple[bytes, bytes]:
+    """The program and its stdin in UTF-8; ValueError, in one line, for a lone surrogate in either (no UTF-8 holds
+    one) or a NUL byte in the source (Python refuses a program with one; a cold one would be cut there)."""
+    texts = []
+    for name, text in (("source", source), ("stdin", stdin)):
+        try:
+            texts.append(text.encode())
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"the program's {name} is not Unicode text: a lone surrogate at character {exc.start}"
+            ) from None
+    if "\0" in source:
+        raise ValueError(f"the program's source holds a NUL byte at character {source.index(chr(0))}")
+    return texts[0], texts[1]
 
 
 def execution(
@@ -180,9 +201,9 @@ class Sandbox:
     kills every process of the sandbox, by handles no program can dodge (its cgroup, and the pidfd of its pid
     namespace's pid 1), and returns once none is left and pid 1 is reaped here."""
 
-    def __init__(self, bwrap: str, python: str, source: str, limits: Limits, warm: bool = False):
+    def __init__(self, bwrap: str, python: str, source: bytes, limits: Limits, warm: bool = False):
         self.limits, self.info, self.pidfd, self.cgroup = limits, bytearray(), None, Cgroup.create()
-        program = memfd("sandbox-source", source.encode())  # bwrap copies it into the sandbox before the code starts
+        program = memfd("sandbox-source", source)  # bwrap copies it into the sandbox before the code starts
         seccomp = memfd("sandbox-seccomp", SECCOMP)
         self.info_fd, info_write = os.pipe()  # bwrap writes the host pid of the sandbox's pid 1 here
         os.set_blocking(self.info_fd, False)
@@ -312,7 +333,7 @@ class Zygote:
         """Start the server and run `pass` in it: SandboxError, in one line, when it cannot serve here. This
         process is a child subreaper for the server's life (`Adoption`): its sandbox's pid 1 is reaped here
         whenever it ends."""
-        server = (Path(__file__).parent / "zygote.py").read_text()
+        server = (Path(__file__).parent / "zygote.py").read_bytes()
         ADOPTION.__enter__()
         try:
             self.sandbox = Sandbox(bwrap, python, server, Limits(), warm=True)
@@ -322,7 +343,7 @@ class Zygote:
         self.stdin, self.stdout = self.sandbox.process.stdin.fileno(), self.sandbox.process.stdout.fileno()
         self.served = -1  # executions answered, the probe not counted
         try:
-            probe = self.run("", "", Limits(wall_s=30.0))
+            probe = self.run(b"", b"", Limits(wall_s=30.0))
         except ZygoteLost as lost:
             self.close()
             raise SandboxError(f"{lost} (is the package {PACKAGE} working here? ASYNCRL_SANDBOX=cold)") from None
@@ -330,12 +351,12 @@ class Zygote:
             self.close()
             raise SandboxError(f"the warm sandbox cannot run Python here: {first_line(probe[2], last=True)}")
 
-    def run(self, source: str, stdin: str, limits: Limits) -> tuple[int | None, bytes, bytes, str | None]:
+    def run(self, source: bytes, stdin: bytes, limits: Limits) -> tuple[int | None, bytes, bytes, str | None]:
         """(exit code, stdout, stderr, ended) as `Sandbox.communicate` and bwrap give them; ZygoteLost when the
         server does not answer in time (the caller then closes it)."""
         header = {**asdict(limits), "cpu": max(1, math.ceil(limits.cpu_s))}
         try:
-            write_frame(self.stdin, header, source.encode(), stdin.encode())
+            write_frame(self.stdin, header, source, stdin)
         except OSError as exc:
             raise ZygoteLost(f"the warm sandbox took no request: {exc}") from exc
         deadline = time.monotonic() + limits.wall_s + ZYGOTE_GRACE_S
@@ -383,7 +404,7 @@ class WarmPool:
     def __init__(self) -> None:
         self.lock, self.idle, self.starter = threading.Lock(), [], None
 
-    def run(self, source: str, stdin: str, limits: Limits) -> Execution:
+    def run(self, source: bytes, stdin: bytes, limits: Limits) -> Execution:
         started = time.monotonic()
         zygote = self.take()
         try:

@@ -179,11 +179,12 @@ def run_program(header: dict, source: bytes, fds: list[int]) -> None:
     sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")  # noqa: SIM115
     sys.argv = [SOURCE]
-    os._exit(execute(source.decode("utf-8", errors="replace")))
+    os._exit(execute(source))
 
 
-def execute(source: str) -> int:
-    """Run the program as `python main.py` would, as __main__: its exit status."""
+def execute(source: bytes) -> int:
+    """Run the program as `python main.py` would (its bytes, as the file's: a coding line or BOM counts), as
+    __main__: its exit status."""
     main_module = types.ModuleType("__main__")
     main_module.__dict__.update(__file__=SOURCE, __builtins__=builtins)
     sys.modules["__main__"] = main_module
