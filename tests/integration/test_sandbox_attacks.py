@@ -14,6 +14,7 @@ from test_sandbox import mode, nothing_left_behind, sandbox_processes  # noqa: F
 
 from workers.reward.code import code_reward, extract_code
 from workers.reward.sandbox import Limits, run_python
+from workers.tasks import load_task
 
 pytestmark = pytest.mark.usefixtures("bubblewrap")
 
@@ -79,3 +80,32 @@ def test_extracting_code_after_a_fence_and_64000_blanks_takes_linear_time(openin
     assert extract_code(opening + " \t" * 32000) == opening.strip()
     assert extract_code(opening + " " * 64000 + "\nx = 1") == "x = 1"
     assert time.process_time() - started < 0.2
+
+
+AREA_TEST = "assert abs(area(2) - 12.566) < 1e-3"
+FAKE_VALUES = [
+    # a value whose every operation gives itself back, and whose repr is a pass
+    "class Zero:\n    __sub__ = __rsub__ = __abs__ = lambda self, *other: self\n    __repr__ = lambda self: '0'\n"
+    "def area(r):\n    return Zero()\n",
+    # repr itself replaced, for every value of the process
+    "import builtins\nbuiltins.repr = lambda value: '0'\ndef area(r):\n    return 1.0\n",
+    # the harness's lines printed by the program, each saying 0, before it leaves
+    "import os, sys\njob = sys.modules['__main__'].job\n"
+    "for i, _ in enumerate(job['probes']):\n    print(job['marker'], i, 'ok', 0)\nsys.stdout.flush()\nos._exit(0)",
+    # a float that says it equals anything
+    "class Near(float):\n    __lt__ = __eq__ = lambda self, other: True\ndef area(r):\n    return Near(0)\n",
+]
+
+
+@pytest.mark.parametrize("program", FAKE_VALUES)
+def test_an_assert_with_the_expected_value_inside_cannot_be_faked(program):
+    assert code_reward("", program, {"tests": AREA_TEST})[0] == 0.0
+    assert code_reward("", "def area(r):\n    return 3.14159 * r * r\n", {"tests": AREA_TEST})[0] == 1.0
+
+
+@pytest.mark.parametrize("program", [p.replace("area(r)", "f(x)") for p in FAKE_VALUES])
+def test_the_code_task_scores_a_faked_value_0(program):
+    task = load_task("code")
+    problem = next(p for p in task.split(0, 200)[0] if p.prompt == "add 3, times 2\n")
+    assert task.score(program, problem.answer) == 0.0
+    assert task.score("def f(x):\n    return 2 * x + 6", problem.answer) == 1.0
