@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import platform
 import secrets
+import threading
 import time
 
 import pytest
 from test_sandbox import mode, nothing_left_behind, sandbox_processes  # noqa: F401 (fixtures)
 
+from workers.reward.cgroup import Cgroup
 from workers.reward.code import code_reward, extract_code
 from workers.reward.sandbox import Limits, run_python
 from workers.tasks import load_task
@@ -82,6 +84,13 @@ def test_extracting_code_after_a_fence_and_64000_blanks_takes_linear_time(openin
     assert time.process_time() - started < 0.2
 
 
+def test_ptrace_is_refused():
+    program = "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+    program += "print(libc.ptrace(0, 0, None, None), ctypes.get_errno())  # PTRACE_TRACEME"
+    done = run_python(program, limits=Limits(wall_s=4.0))
+    assert (done.status, done.stdout) == ("ok", "-1 38\n")  # ENOSYS, from the seccomp filter
+
+
 AREA_TEST = "assert abs(area(2) - 12.566) < 1e-3"
 FAKE_VALUES = [
     # a value whose every operation gives itself back, and whose repr is a pass
@@ -109,3 +118,54 @@ def test_the_code_task_scores_a_faked_value_0(program):
     problem = next(p for p in task.split(0, 200)[0] if p.prompt == "add 3, times 2\n")
     assert task.score(program, problem.answer) == 0.0
     assert task.score("def f(x):\n    return 2 * x + 6", problem.answer) == 1.0
+
+
+# 4 processes, each holding 240 MB in memfds (files in memory, which RLIMIT_AS does not count): 960 MB in all
+HOARDER = """\
+import os
+for _ in range(3):
+    if os.fork() == 0:
+        break
+files = [os.memfd_create("hoard") for _ in range(15)]
+for fd in files:
+    os.write(fd, b"1" * (16 * 1024 * 1024 - 4096))  # each below the file-size limit
+print("held 240 MB", flush=True)
+while True:
+    try:
+        os.wait()
+    except ChildProcessError:
+        break
+"""
+MEMORY_MARGIN_MB = 64  # over the limit: the sampling's step, and the host's other shared memory moving meanwhile
+
+
+def shared_memory() -> int:
+    """Bytes of shared memory (memfds, tmpfs, /dev/shm) on the host: where a memfd's pages are counted."""
+    with open("/proc/meminfo") as meminfo:
+        return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("Shmem:"))
+
+
+def cgroups_here() -> bool:
+    group = Cgroup.create()
+    return group is not None and group.remove(timeout_s=1.0)
+
+
+@pytest.mark.skipif(not cgroups_here(), reason="needs cgroups: root and a writable cgroup file system")
+def test_memory_held_in_files_is_bounded_for_the_whole_execution():
+    limits = Limits(wall_s=20.0, memory_mb=256)
+    before, peak, done_event = shared_memory(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done_event.wait(0.002):
+            peak[0] = max(peak[0], shared_memory() - before)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        done = run_python(HOARDER, limits=limits)
+    finally:
+        done_event.set()
+        sampler.join()
+    assert (done.status, done.reason) == ("memory", "held more than the memory limit of 256 MB in all and was killed")
+    assert peak[0] < (limits.memory_mb + MEMORY_MARGIN_MB) * 1024 * 1024, f"{peak[0] >> 20} MB"
+    assert shared_memory() - before < MEMORY_MARGIN_MB * 1024 * 1024  # all given back

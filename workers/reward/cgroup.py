@@ -77,16 +77,16 @@ class Cgroup:
                 return int(path.read_text())
         return 0
 
-    def out_of_memory(self) -> bool:
-        """Whether the kernel killed a process of the group for going over its memory bound."""
+    def oom_kills(self) -> int:
+        """How many processes of the group the kernel killed for going over its memory bound."""
         for path in (
             self.unified and self.unified / "memory.events",
             self.memory_v1 and self.memory_v1 / "memory.oom_control",
         ):
             if path is not None and path.exists():
                 counts = dict(line.split() for line in path.read_text().splitlines())
-                return int(counts.get("oom_kill", "0")) > 0
-        return False
+                return int(counts.get("oom_kill", "0"))
+        return 0
 
     def kill(self) -> None:
         """SIGKILL every process of the group at once (v2); without v2, the caller kills through the pid namespace."""

@@ -13,7 +13,10 @@ the sandbox. Its environment holds PATH, HOME and PWD alone (bwrap itself starts
 When the caller is root, bwrap runs as `nobody` (65534): the code is an unprivileged user on the host
 too, not host root in a user namespace (for which the kernel would not even count processes against
 RLIMIT_NPROC). prlimit sets CPU seconds, address space, processes, file size and open files before
-Python starts; the process count is per user namespace (Linux >= 5.14), so per execution. The caller
+Python starts; the process count is per user namespace (Linux >= 5.14), so per execution. Where the host lets
+it make a cgroup (workers/reward/cgroup.py), all the memory of an execution together is bounded by
+`limits.memory_mb` too, files held in memfds, tmpfs and shared memory included (which the address-space limit
+does not count): the kernel kills a process of it that would go over, and the execution is "memory". The caller
 reads stdout and stderr up to `limits.output_bytes` each. When the program ends, at the wall-clock limit
 or on overflow, it kills every process of the sandbox: its cgroup's at once where the host lets it make one
 (workers/reward/cgroup.py; root, Linux >= 5.14), and the sandbox's pid 1, which takes every process of its pid
@@ -30,8 +33,9 @@ forks each execution a child in fresh mount, pid, ipc, net and uts namespaces of
 /sandbox, /proc and working directory, no capabilities and the same rlimits: every property above holds
 between executions too, and an execution costs a fork instead of bwrap's set-up and Python's start-up
 (`asyncrl bench sandbox`: about 3-4 times the executions per second). What executions of one server share:
-the user (RLIMIT_NPROC counts the server's three processes as well) and the interpreter's memory as it was
-before any request (the server never reads one).
+the user (RLIMIT_NPROC counts the server's three processes as well), the interpreter's memory as it was
+before any request (the server never reads one), and the server's cgroup, whose memory bound is set before each
+request to what the server holds then plus `limits.memory_mb`.
 Calls are synchronous and independent: call `run_python` from many threads or processes at once.
 """
 
@@ -71,6 +75,7 @@ MODE_VARIABLE = "ASYNCRL_SANDBOX"  # 'cold': a bwrap of its own per execution; e
 WORKDIR = "/sandbox/work"  # the program's working directory and HOME: the only writable place
 SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # links into /usr, or directories
 READ_CHUNK = 65536
+MB = 1024 * 1024
 ZYGOTE_GRACE_S = 5.0  # past an execution's wall-clock limit, before a silent warm server is given up
 KILL_WAIT_S = 10.0  # for the kernel to empty a killed sandbox's pid namespace (milliseconds in practice)
 PR_SET_CHILD_SUBREAPER = 36  # prctl option, linux/prctl.h
@@ -97,7 +102,9 @@ class Limits:
 
     cpu_s: float = 2.0  # CPU seconds of each process (rounded up to whole seconds), then SIGXCPU
     wall_s: float = 5.0  # wall-clock seconds of the whole execution, then the sandbox is killed
-    memory_mb: int = 256  # address space of each process (RLIMIT_AS): Python raises MemoryError past it
+    # address space of each process (RLIMIT_AS): Python raises MemoryError past it; and, where the host gives the
+    # sandbox a cgroup, all the memory of the execution together (files in memfds and tmpfs included)
+    memory_mb: int = 256
     processes: int = 16  # processes and threads of the sandbox's user, bwrap's pid 1 included
     file_mb: int = 16  # the largest file, and the whole working directory (its tmpfs)
     open_files: int = 64  # file descriptors per process
@@ -158,11 +165,12 @@ def run_python(source: str, stdin: str = "", limits: Limits = Limits(), warm: bo
     started = time.monotonic()
     with ADOPTION, Sandbox(bwrap, python, program, limits) as sandbox:
         stdout, stderr, ended = sandbox.communicate(data)
+        out_of_memory = sandbox.cgroup is not None and sandbox.cgroup.oom_kills() > 0
     exit_code = None if ended else sandbox.process.returncode
     # bwrap's set-up failed (a program that writes such a line itself and exits 1 fails only its own execution)
     if exit_code == 1 and stderr.startswith((b"bwrap: ", b"sandbox: ")) and not stdout:
         raise SandboxError(f"{first_line(stderr)} (is the package {PACKAGE} working here?)")
-    return execution(exit_code, stdout, stderr, ended, limits, started)
+    return execution(exit_code, stdout, stderr, ended, limits, started, out_of_memory)
 
 
 def encoded(source: str, stdin: str) -> tuple[bytes, bytes]:
@@ -182,9 +190,15 @@ def encoded(source: str, stdin: str) -> tuple[bytes, bytes]:
 
 
 def execution(
-    exit_code: int | None, stdout: bytes, stderr: bytes, ended: str | None, limits: Limits, started: float
+    exit_code: int | None,
+    stdout: bytes,
+    stderr: bytes,
+    ended: str | None,
+    limits: Limits,
+    started: float,
+    out_of_memory: bool = False,
 ) -> Execution:
-    status, reason = verdict(exit_code, stderr, ended, limits)
+    status, reason = verdict(exit_code, stderr, ended, limits, out_of_memory)
     return Execution(status, exit_code, text(stdout), text(stderr), reason, round(time.monotonic() - started, 4))
 
 
@@ -203,6 +217,8 @@ class Sandbox:
 
     def __init__(self, bwrap: str, python: str, source: bytes, limits: Limits, warm: bool = False):
         self.limits, self.info, self.pidfd, self.cgroup = limits, bytearray(), None, Cgroup.create()
+        if self.cgroup is not None and not warm:  # a warm server's bound is set per request (`Zygote.run`)
+            self.cgroup.limit_memory(limits.memory_mb * MB)
         program = memfd("sandbox-source", source)  # bwrap copies it into the sandbox before the code starts
         seccomp = memfd("sandbox-seccomp", SECCOMP)
         self.info_fd, info_write = os.pipe()  # bwrap writes the host pid of the sandbox's pid 1 here
@@ -223,6 +239,9 @@ class Sandbox:
         if self.cgroup is not None:
             try:
                 self.cgroup.add(self.process.pid)
+                # the sandbox's processes go first when memory runs out, in the group or on the host (a warm
+                # server's program raises its own to the top: `zygote.run_program`)
+                Path(f"/proc/{self.process.pid}/oom_score_adj").write_text("500" if warm else "1000")
                 os.write(self.process.stdin.fileno(), b"\n")  # the gate opens: bwrap starts in the group
             except BaseException:
                 self.__exit__()
@@ -342,6 +361,7 @@ class Zygote:
             raise
         self.stdin, self.stdout = self.sandbox.process.stdin.fileno(), self.sandbox.process.stdout.fileno()
         self.served = -1  # executions answered, the probe not counted
+        self.oom_kills = 0  # of the server's cgroup, before the request under way
         try:
             probe = self.run(b"", b"", Limits(wall_s=30.0))
         except ZygoteLost as lost:
@@ -355,6 +375,10 @@ class Zygote:
         """(exit code, stdout, stderr, ended) as `Sandbox.communicate` and bwrap give them; ZygoteLost when the
         server does not answer in time (the caller then closes it)."""
         header = {**asdict(limits), "cpu": max(1, math.ceil(limits.cpu_s))}
+        cgroup = self.sandbox.cgroup
+        if cgroup is not None:  # the server's memory as it is now, and the execution's on top
+            cgroup.limit_memory(cgroup.memory_used() + limits.memory_mb * MB)
+            self.oom_kills = cgroup.oom_kills()
         try:
             write_frame(self.stdin, header, source, stdin)
         except OSError as exc:
@@ -365,6 +389,10 @@ class Zygote:
         self.read(1, deadline)  # the server's word that the execution's last process is gone
         self.served += 1
         return answer["exit_code"], stdout, stderr, answer["ended"]
+
+    def out_of_memory(self) -> bool:
+        """Whether the kernel killed a process of the server's cgroup for memory since the last request came."""
+        return self.sandbox.cgroup is not None and self.sandbox.cgroup.oom_kills() > self.oom_kills
 
     def read(self, size: int, deadline: float) -> bytes:
         data = bytearray()
@@ -410,14 +438,18 @@ class WarmPool:
         try:
             exit_code, stdout, stderr, ended = zygote.run(source, stdin, limits)
         except ZygoteLost as lost:
+            out_of_memory = zygote.out_of_memory()  # the kernel may have killed the server itself
             zygote.close()
+            if out_of_memory:
+                return execution(None, b"", b"", None, limits, started, out_of_memory)
             return Execution("killed", None, "", "", str(lost), round(time.monotonic() - started, 4))
         except BaseException:
             zygote.close()
             raise
+        out_of_memory = zygote.out_of_memory()
         with self.lock:
             self.idle.append(zygote)
-        return execution(exit_code, stdout, stderr, ended, limits, started)
+        return execution(exit_code, stdout, stderr, ended, limits, started, out_of_memory)
 
     def take(self) -> Zygote:
         """An idle server that still runs, or a new one."""
@@ -567,12 +599,17 @@ def start(command: list[str], fds: tuple[int, ...]) -> subprocess.Popen:
         raise SandboxError(f"cannot start bwrap: {exc} (install the package {PACKAGE})") from exc
 
 
-def verdict(exit_code: int | None, stderr: bytes, ended: str | None, limits: Limits) -> tuple[Status, str | None]:
-    """(status, one-line reason) of an execution."""
+def verdict(
+    exit_code: int | None, stderr: bytes, ended: str | None, limits: Limits, out_of_memory: bool = False
+) -> tuple[Status, str | None]:
+    """(status, one-line reason) of an execution; `out_of_memory` when the kernel killed a process of it for going
+    over its cgroup's memory bound."""
     if ended == "timeout":
         return "timeout", f"ran past the wall-clock limit of {limits.wall_s:g} s and was killed"
     if ended == "output_limit":
         return "output_limit", f"wrote more than {limits.output_bytes} bytes to stdout or stderr and was killed"
+    if out_of_memory:  # a process of it, maybe not the program's first, killed by the kernel
+        return "memory", f"held more than the memory limit of {limits.memory_mb} MB in all and was killed"
     if exit_code == 0:
         return "ok", None
     last = first_line(stderr, last=True)

@@ -160,6 +160,8 @@ def pid_one(header: dict, source: bytes, fds: list[int]) -> int:
 def run_program(header: dict, source: bytes, fds: list[int]) -> None:
     """Become the program: its pipes as fds 0-2 and nothing else open, its directory, its limits; never returns."""
     LIBC.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # its own /proc/self is its own again (pid 1 stays hidden)
+    with open("/proc/self/oom_score_adj", "w") as file:  # the first to go when memory runs out, not the server
+        file.write("1000")
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh Python has it
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
