@@ -1,16 +1,18 @@
-"""A cgroup per sandbox: the handle that ends every process of an execution, whatever the program did to its
-parents, and the bound on the memory it holds (files in memfds, tmpfs and shared memory included, which the
-address-space limit does not count).
+"""A cgroup per sandbox: the bound on all the memory an execution holds (files in memfds, tmpfs and shared memory
+included, which the address-space limit does not count), and a list of its processes that no program can leave.
 
-The sandbox's processes join the group before bwrap starts (`GATE`): whatever they fork, however they
-detach from bwrap, stays in it. `kill` writes the cgroup v2 `cgroup.kill` (Linux >= 5.14), which SIGKILLs every
-member at once, forks under way included; `remove` returns once the group is empty and gone. The memory bound
-is the v2 `memory.max` where the group has the memory controller, else the v1 memory hierarchy's
-`memory.limit_in_bytes` (and `memory.memsw.limit_in_bytes`, so that no swap goes past it).
+bwrap starts behind a gate (`gate`): a shell that joins the group, then execs bwrap, so every process of the
+sandbox is born in it, whatever it forks and however it detaches from bwrap. The shell joins by writing 0 to
+a file this process opened: the kernel checks the opener's rights, and a single-threaded process that moves
+itself (v1's `tasks`) needs none of the global lock that moving another one takes, which costs a grace period
+(about 10 ms) per execution. One hierarchy: v1's memory one where it is mounted (`memory.limit_in_bytes`, and
+`memory.memsw.limit_in_bytes` so that no swap goes past it), else v2 where its memory controller is available
+(`memory.max`; there `cgroup.kill` kills the group at once). `kill` SIGKILLs whatever is left in it (the sandbox
+kills its pid 1 first, which ends the pid namespace); `remove` returns once the group is empty and gone.
 
-Creating cgroups needs root (or a delegated subtree) and a writable cgroup file system: `Cgroup.create` returns
-None where neither hierarchy can be used, and the sandbox then ends an execution through its pid namespace
-alone (killing the namespace's pid 1 ends everyone in it), with no memory bound beyond the rlimits.
+Creating cgroups needs root (or a delegated subtree), a writable cgroup file system and bash (the gate names
+file descriptors above 9): `Cgroup.create` returns None where it cannot, and the sandbox then ends an execution
+through its pid namespace alone, with no memory bound beyond the rlimits.
 """
 
 from __future__ import annotations
@@ -18,105 +20,108 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import signal
 import time
 from pathlib import Path
 
 PREFIX = "asyncrl-sandbox-"  # then the creating process's pid and a count
 NAMES = itertools.count()
 POLL_S = 0.002  # between two looks at a group that is being emptied
+BASH = "/bin/bash"
 
 
 class Cgroup:
-    """One group, as a directory in each hierarchy used: the v2 one (`cgroup.kill`, and `memory.max` when it has
-    the memory controller) and the v1 memory one when v2 has no memory controller here."""
+    """One group, in the v1 memory hierarchy (`v1`) or in v2."""
 
-    def __init__(self, unified: Path | None, memory_v1: Path | None):
-        self.unified, self.memory_v1 = unified, memory_v1
-        self.directories = [path for path in (unified, memory_v1) if path is not None]
+    def __init__(self, path: Path, v1: bool):
+        self.path, self.v1 = path, v1
 
     @classmethod
     def create(cls) -> Cgroup | None:
-        """A new, empty group beside this process's own, or None where no hierarchy can be written here."""
-        if os.geteuid() != 0:
+        """A new, empty group beside this process's own, or None where none can be made and used here."""
+        if os.geteuid() != 0 or not os.access(BASH, os.X_OK):
             return None
         name = f"{PREFIX}{os.getpid()}-{next(NAMES)}"
-        unified, memory_v1 = (make(parent / name) if parent is not None else None for parent in HIERARCHIES)
-        if unified is not None and not (unified / "cgroup.kill").exists():  # Linux < 5.14: no use
-            unified = remove_directory(unified)
-        if unified is not None and (unified / "memory.max").exists():  # v2 holds the memory bound too
-            memory_v1 = remove_directory(memory_v1)
-        return cls(unified, memory_v1) if unified or memory_v1 else None
+        unified, memory_v1 = HIERARCHIES
+        if memory_v1 is not None and (path := make(memory_v1 / name)) is not None:
+            return cls(path, v1=True)
+        if unified is not None and (path := make(unified / name)) is not None:
+            if (path / "memory.max").exists() and (path / "cgroup.kill").exists():
+                return cls(path, v1=False)
+            remove_directory(path)
+        return None
 
-    def add(self, pid: int) -> None:
-        """Move process `pid` into the group (before it forks: see `GATE`)."""
-        for path in self.directories:
-            write(path / "cgroup.procs", pid)
+    def join_file(self) -> int:
+        """A descriptor to which a process writes 0 to join the group (see `gate`)."""
+        return os.open(self.path / ("tasks" if self.v1 else "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC)
 
     def limit_memory(self, limit: int) -> None:
         """Bound the memory of the group's processes to `limit` bytes, swap included (none past it); the kernel's
         OOM killer ends a process of the group that would go over."""
-        if self.unified is not None and (self.unified / "memory.max").exists():
-            write(self.unified / "memory.max", limit)
+        if not self.v1:
+            write(self.path / "memory.max", limit)
             with contextlib.suppress(FileNotFoundError):  # no swap accounting here
-                write(self.unified / "memory.swap.max", 0)
-        elif self.memory_v1 is not None:
-            swap = self.memory_v1 / "memory.memsw.limit_in_bytes"
-            if swap.exists():
-                write(swap, -1)  # memory + swap may never be below memory alone: lift it, then bound both
-            write(self.memory_v1 / "memory.limit_in_bytes", limit)
-            if swap.exists():
-                write(swap, limit)
+                write(self.path / "memory.swap.max", 0)
+            return
+        swap = self.path / "memory.memsw.limit_in_bytes"
+        if swap.exists():
+            write(swap, -1)  # memory + swap may never be below memory alone: lift it, then bound both
+        write(self.path / "memory.limit_in_bytes", limit)
+        if swap.exists():
+            write(swap, limit)
 
     def memory_used(self) -> int:
-        """Bytes charged to the group now (0 without a memory bound)."""
-        for path in (
-            self.unified and self.unified / "memory.current",
-            self.memory_v1 and self.memory_v1 / "memory.usage_in_bytes",
-        ):
-            if path is not None and path.exists():
-                return int(path.read_text())
-        return 0
+        """Bytes charged to the group now."""
+        return int((self.path / ("memory.usage_in_bytes" if self.v1 else "memory.current")).read_text())
 
     def oom_kills(self) -> int:
         """How many processes of the group the kernel killed for going over its memory bound."""
-        for path in (
-            self.unified and self.unified / "memory.events",
-            self.memory_v1 and self.memory_v1 / "memory.oom_control",
-        ):
-            if path is not None and path.exists():
-                counts = dict(line.split() for line in path.read_text().splitlines())
-                return int(counts.get("oom_kill", "0"))
-        return 0
+        counts = (self.path / ("memory.oom_control" if self.v1 else "memory.events")).read_text()
+        return int(dict(line.split() for line in counts.splitlines()).get("oom_kill", "0"))
+
+    def processes(self) -> list[int]:
+        return [int(pid) for pid in (self.path / "cgroup.procs").read_text().split()]
 
     def kill(self) -> None:
-        """SIGKILL every process of the group at once (v2); without v2, the caller kills through the pid namespace."""
-        if self.unified is not None:
-            write(self.unified / "cgroup.kill", 1)
+        """SIGKILL every process of the group: at once in v2; in v1 each one listed, through a pidfd opened while
+        it is still a member (so never another process that took a freed pid)."""
+        if not self.v1:
+            write(self.path / "cgroup.kill", 1)
+            return
+        for pid in self.processes():
+            with contextlib.suppress(ProcessLookupError):
+                pidfd = os.pidfd_open(pid)
+                try:
+                    if pid in self.processes():
+                        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                finally:
+                    os.close(pidfd)
 
     def remove(self, timeout_s: float) -> bool:
-        """Wait until no process is left in the group, then remove it; False when one still is at `timeout_s`
-        (the group is then kept, to be seen)."""
+        """Wait until no process is left in the group (killing what is), then remove it; False when one still is
+        at `timeout_s` (the group is then kept, to be seen)."""
         deadline = time.monotonic() + timeout_s
-        while any((path / "cgroup.procs").read_text().strip() for path in self.directories):
+        while self.processes():
             if time.monotonic() > deadline:
                 return False
+            self.kill()
             time.sleep(POLL_S)
-        for path in self.directories:
-            while True:
-                try:
-                    path.rmdir()
-                    break
-                except OSError:  # EBUSY while the kernel finishes with the last member
-                    if time.monotonic() > deadline:
-                        return False
-                    time.sleep(POLL_S)
-        return True
+        while True:
+            try:
+                self.path.rmdir()
+                return True
+            except OSError:  # EBUSY while the kernel finishes with the last member
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(POLL_S)
 
 
-# Put before a command: a shell that waits for a line on its stdin, then execs the command with the rest of it.
-# The caller moves the shell into the group (`Cgroup.add`) before it writes that line: the command's first
-# instruction already runs in the group. (A shell has no other way in: it cannot name a descriptor above 9.)
-GATE = ["/bin/sh", "-c", 'read -r _ && exec "$@"; echo "sandbox: not let into its cgroup" >&2; exit 1', "sh"]
+def gate(join_file: int, oom_score: int) -> list[str]:
+    """A command to put before another: bash joins the group through `join_file`, puts its OOM score at
+    `oom_score` (its children inherit it), then execs the command after it; exit 1 with a line saying so if it
+    cannot join."""
+    script = f'echo 0 >&{join_file} && echo {oom_score} >/proc/self/oom_score_adj && exec {join_file}>&- && exec "$@"'
+    return [BASH, "-c", f'{script}; echo "sandbox: cannot join its cgroup" >&2; exit 1', "gate"]
 
 
 def make(path: Path) -> Path | None:
@@ -127,11 +132,9 @@ def make(path: Path) -> Path | None:
     return path
 
 
-def remove_directory(path: Path | None) -> None:
-    """Remove a group that is of no use (None, for the caller to hold instead)."""
-    if path is not None:
-        with contextlib.suppress(OSError):
-            path.rmdir()
+def remove_directory(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.rmdir()
 
 
 def write(path: Path, value: int) -> None:
@@ -140,8 +143,8 @@ def write(path: Path, value: int) -> None:
 
 
 def hierarchies() -> tuple[Path | None, Path | None]:
-    """(this process's cgroup in the v2 hierarchy, its cgroup in the v1 memory
-    hierarchy), each None where it is not mounted, or not as this process's view of it."""
+    """(this process's cgroup in the v2 hierarchy, its cgroup in the v1 memory hierarchy), each None where it is
+    not mounted, or not as this process's view of it."""
     own = {}
     with contextlib.suppress(OSError):
         for line in Path("/proc/self/cgroup").read_text().splitlines():
@@ -173,14 +176,12 @@ def own_directory(mount: Path, root: str, path: str | None) -> Path | None:
 def remove_orphans() -> None:
     """Kill and remove the groups of processes that are gone (a caller killed before it could remove its own)."""
     unified, memory_v1 = HIERARCHIES
-    for parent in (unified, memory_v1) if os.geteuid() == 0 else ():
+    for parent, v1 in ((unified, False), (memory_v1, True)) if os.geteuid() == 0 else ():
         for path in parent.glob(f"{PREFIX}*") if parent is not None else ():
             owner = path.name.removeprefix(PREFIX).split("-")[0]
             if owner.isdigit() and not Path(f"/proc/{owner}").exists():
-                group = Cgroup(path, None) if parent == unified else Cgroup(None, path)
                 with contextlib.suppress(OSError):
-                    group.kill()
-                    group.remove(timeout_s=1.0)
+                    Cgroup(path, v1).remove(timeout_s=1.0)
 
 
 HIERARCHIES = hierarchies()

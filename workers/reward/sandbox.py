@@ -18,9 +18,9 @@ it make a cgroup (workers/reward/cgroup.py), all the memory of an execution toge
 `limits.memory_mb` too, files held in memfds, tmpfs and shared memory included (which the address-space limit
 does not count): the kernel kills a process of it that would go over, and the execution is "memory". The caller
 reads stdout and stderr up to `limits.output_bytes` each. When the program ends, at the wall-clock limit
-or on overflow, it kills every process of the sandbox: its cgroup's at once where the host lets it make one
-(workers/reward/cgroup.py; root, Linux >= 5.14), and the sandbox's pid 1, which takes every process of its pid
-namespace with it, whether bwrap still runs or not (a program that writes into pid 1's memory through
+or on overflow, it kills every process of the sandbox: the sandbox's pid 1, which takes every process of its
+pid namespace with it, whether bwrap still runs or not, and whatever is left in its cgroup where the host lets
+it make one (workers/reward/cgroup.py) (a program that writes into pid 1's memory through
 /proc/1/mem can make bwrap exit early and pid 1 stay). No daemon or double fork outlives its execution:
 `run_python` returns once pid 1 is gone and reaped (see `Adoption`) and the cgroup is empty and removed, and
 raises SandboxError if a process stays. A seccomp filter refuses the kernel keyring's calls, ptrace's and
@@ -61,7 +61,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from workers.reward.cgroup import GATE, Cgroup
+from workers.reward.cgroup import Cgroup, gate
 from workers.reward.zygote import HEADER as FRAME
 from workers.reward.zygote import feed, write_frame
 
@@ -212,8 +212,8 @@ def memfd(name: str, data: bytes) -> int:
 
 class Sandbox:
     """One bwrap process and its pipes, in a cgroup of its own where the host allows (`Cgroup`). Leaving the `with`
-    kills every process of the sandbox, by handles no program can dodge (its cgroup, and the pidfd of its pid
-    namespace's pid 1), and returns once none is left and pid 1 is reaped here."""
+    kills every process of the sandbox, by handles no program can dodge (the pidfd of its pid namespace's pid 1,
+    and its cgroup), and returns once none is left and pid 1 is reaped here."""
 
     def __init__(self, bwrap: str, python: str, source: bytes, limits: Limits, warm: bool = False):
         self.limits, self.info, self.pidfd, self.cgroup = limits, bytearray(), None, Cgroup.create()
@@ -223,29 +223,25 @@ class Sandbox:
         seccomp = memfd("sandbox-seccomp", SECCOMP)
         self.info_fd, info_write = os.pipe()  # bwrap writes the host pid of the sandbox's pid 1 here
         os.set_blocking(self.info_fd, False)
+        join = self.cgroup.join_file() if self.cgroup is not None else None
+        fds = (program, seccomp, info_write) if join is None else (program, seccomp, info_write, join)
         try:
             command = bwrap_command(bwrap, python, limits, program, info_write, warm)
             if SECCOMP:
                 command[1:1] = ["--seccomp", str(seccomp)]
-            self.process = start([*GATE, *command] if self.cgroup else command, (program, seccomp, info_write))
+            if join is not None:
+                # first to go when memory runs out, in the group or on the host (a warm server's program raises its
+                # own above the server's: `zygote.run_program`)
+                command[:0] = gate(join, oom_score=500 if warm else 1000)
+            self.process = start(command, fds)
         except BaseException:
             os.close(self.info_fd)
             if self.cgroup is not None:
                 self.cgroup.remove(KILL_WAIT_S)
             raise
         finally:
-            for fd in (program, seccomp, info_write):
+            for fd in fds:
                 os.close(fd)
-        if self.cgroup is not None:
-            try:
-                self.cgroup.add(self.process.pid)
-                # the sandbox's processes go first when memory runs out, in the group or on the host (a warm
-                # server's program raises its own to the top: `zygote.run_program`)
-                Path(f"/proc/{self.process.pid}/oom_score_adj").write_text("500" if warm else "1000")
-                os.write(self.process.stdin.fileno(), b"\n")  # the gate opens: bwrap starts in the group
-            except BaseException:
-                self.__exit__()
-                raise
 
     def __enter__(self) -> Sandbox:
         return self
@@ -262,7 +258,7 @@ class Sandbox:
                 with contextlib.suppress(ChildProcessError):  # bwrap reaped it itself
                     os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOHANG)  # an orphan adopted here
             if self.cgroup is not None and not self.cgroup.remove(KILL_WAIT_S):
-                raise SandboxError(f"a process of the sandbox outlived a SIGKILL, in {self.cgroup.directories[0]}")
+                raise SandboxError(f"a process of the sandbox outlived a SIGKILL, in {self.cgroup.path}")
         finally:
             if self.pidfd is not None:
                 os.close(self.pidfd)
@@ -271,19 +267,18 @@ class Sandbox:
                 pipe.close()
 
     def kill(self) -> None:
-        """SIGKILL every process of the sandbox: its cgroup's at once, and its pid 1, whose end ends its whole pid
-        namespace; bwrap's process group too where neither is known (bwrap has not named pid 1 yet). Returns once
-        bwrap is reaped."""
-        if self.cgroup is not None:
-            self.cgroup.kill()
+        """SIGKILL every process of the sandbox: its pid 1, whose end ends its whole pid namespace, what is left in
+        its cgroup, and bwrap (its process group where bwrap does not end once pid 1 is gone, or has not named pid
+        1 yet). Returns once bwrap is reaped."""
         if self.pidfd is not None:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
-        if self.cgroup is None or self.cgroup.unified is None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(KILL_WAIT_S if self.pidfd is not None else 0)  # bwrap ends once pid 1 is gone
-            if self.process.poll() is None:
-                os.killpg(self.process.pid, signal.SIGKILL)
+        if self.cgroup is not None:
+            self.cgroup.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(KILL_WAIT_S if self.pidfd is not None else 0)  # bwrap ends once pid 1 is gone
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
 
     def read_info(self) -> bool:
