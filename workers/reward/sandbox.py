@@ -76,6 +76,7 @@ WORKDIR = "/sandbox/work"  # the program's working directory and HOME: the only 
 SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # links into /usr, or directories
 READ_CHUNK = 65536
 MB = 1024 * 1024
+BOUND_SLACK = 4 * MB  # a warm server's bound is set again once its own memory moved by more
 ZYGOTE_GRACE_S = 5.0  # past an execution's wall-clock limit, before a silent warm server is given up
 KILL_WAIT_S = 10.0  # for the kernel to empty a killed sandbox's pid namespace (milliseconds in practice)
 PR_SET_CHILD_SUBREAPER = 36  # prctl option, linux/prctl.h
@@ -356,7 +357,7 @@ class Zygote:
             raise
         self.stdin, self.stdout = self.sandbox.process.stdin.fileno(), self.sandbox.process.stdout.fileno()
         self.served = -1  # executions answered, the probe not counted
-        self.oom_kills = 0  # of the server's cgroup, before the request under way
+        self.oom_kills, self.memory_bound = 0, 0  # of the server's cgroup, before the request under way
         try:
             probe = self.run(b"", b"", Limits(wall_s=30.0))
         except ZygoteLost as lost:
@@ -372,8 +373,10 @@ class Zygote:
         header = {**asdict(limits), "cpu": max(1, math.ceil(limits.cpu_s))}
         cgroup = self.sandbox.cgroup
         if cgroup is not None:  # the server's memory as it is now, and the execution's on top
-            cgroup.limit_memory(cgroup.memory_used() + limits.memory_mb * MB)
-            self.oom_kills = cgroup.oom_kills()
+            bound = cgroup.memory_used() + limits.memory_mb * MB
+            if abs(bound - self.memory_bound) > BOUND_SLACK:
+                cgroup.limit_memory(bound)
+                self.memory_bound = bound
         try:
             write_frame(self.stdin, header, source, stdin)
         except OSError as exc:
@@ -386,8 +389,12 @@ class Zygote:
         return answer["exit_code"], stdout, stderr, answer["ended"]
 
     def out_of_memory(self) -> bool:
-        """Whether the kernel killed a process of the server's cgroup for memory since the last request came."""
-        return self.sandbox.cgroup is not None and self.sandbox.cgroup.oom_kills() > self.oom_kills
+        """Whether the kernel killed a process of the server's cgroup for memory since the last time it was asked
+        (after the last execution)."""
+        if self.sandbox.cgroup is None:
+            return False
+        before, self.oom_kills = self.oom_kills, self.sandbox.cgroup.oom_kills()
+        return self.oom_kills > before
 
     def read(self, size: int, deadline: float) -> bytes:
         data = bytearray()
