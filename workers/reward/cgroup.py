@@ -1,17 +1,16 @@
 """A cgroup per sandbox: the bound on all the memory an execution holds (files in memfds, tmpfs and shared memory
 included, which the address-space limit does not count), and a list of its processes that no program can leave.
 
-bwrap starts behind a gate (`gate`): a shell that joins the group, then execs bwrap, so every process of the
-sandbox is born in it, whatever it forks and however it detaches from bwrap. The shell joins by writing 0 to
-a file this process opened: the kernel checks the opener's rights, and a single-threaded process that moves
-itself (v1's `tasks`) needs none of the global lock that moving another one takes, which costs a grace period
-(about 10 ms) per execution. One hierarchy: v1's memory one where it is mounted (`memory.limit_in_bytes`, and
+bwrap starts behind a gate (`Cgroup.gate`): a shell that joins the group, then execs bwrap, so every process of
+the sandbox is born in it, whatever it forks and however it detaches from bwrap. The shell moves itself: a
+single-threaded process that does (writing 0 to v1's `tasks`) needs none of the global lock that moving
+another one takes, which costs a grace period (about 10 ms) per execution. One hierarchy: v1's memory one where it is mounted (`memory.limit_in_bytes`, and
 `memory.memsw.limit_in_bytes` so that no swap goes past it), else v2 where its memory controller is available
 (`memory.max`; there `cgroup.kill` kills the group at once). `kill` SIGKILLs whatever is left in it (the sandbox
 kills its pid 1 first, which ends the pid namespace); `remove` returns once the group is empty and gone.
 
-Creating cgroups needs root (or a delegated subtree), a writable cgroup file system and bash (the gate names
-file descriptors above 9): `Cgroup.create` returns None where it cannot, and the sandbox then ends an execution
+Creating cgroups needs root (or a delegated subtree), a writable cgroup file system, and bash in v2 (the gate
+names file descriptors above 9 there): `Cgroup.create` returns None where it cannot, and the sandbox then ends an execution
 through its pid namespace alone, with no memory bound beyond the rlimits.
 """
 
@@ -39,21 +38,33 @@ class Cgroup:
     @classmethod
     def create(cls) -> Cgroup | None:
         """A new, empty group beside this process's own, or None where none can be made and used here."""
-        if os.geteuid() != 0 or not os.access(BASH, os.X_OK):
+        if os.geteuid() != 0:
             return None
         name = f"{PREFIX}{os.getpid()}-{next(NAMES)}"
         unified, memory_v1 = HIERARCHIES
         if memory_v1 is not None and (path := make(memory_v1 / name)) is not None:
             return cls(path, v1=True)
-        if unified is not None and (path := make(unified / name)) is not None:
+        if unified is not None and os.access(BASH, os.X_OK) and (path := make(unified / name)) is not None:
             if (path / "memory.max").exists() and (path / "cgroup.kill").exists():
                 return cls(path, v1=False)
             remove_directory(path)
         return None
 
-    def join_file(self) -> int:
-        """A descriptor to which a process writes 0 to join the group (see `gate`)."""
-        return os.open(self.path / ("tasks" if self.v1 else "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC)
+    def gate(self, user: int, oom_score: int) -> tuple[list[str], int | None]:
+        """(a command to put before another, a descriptor to pass it or None): a shell that joins the group, puts
+        its OOM score at `oom_score` (its children inherit it) and execs the command after it, as `user`; exit 1
+        with a line saying so when it cannot join. In v1 it writes 0 to the group's `tasks`, handed to `user`
+        (moving itself takes no global lock); in v2 to a descriptor of `cgroup.procs` opened here (the kernel
+        checks the opener's rights, and the common ancestor's file is root's), with bash, which names
+        descriptors above 9."""
+        if self.v1:
+            os.chown(self.path / "tasks", user, -1)
+            join, fd, shell = f"echo 0 > {self.path / 'tasks'}", None, "/bin/sh"
+        else:
+            fd = os.open(self.path / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
+            join, shell = f"echo 0 >&{fd} && exec {fd}>&-", BASH
+        script = f'{join} && echo {oom_score} > /proc/self/oom_score_adj && exec "$@"'
+        return [shell, "-c", f'{script}; echo "sandbox: cannot join its cgroup" >&2; exit 1', "gate"], fd
 
     def limit_memory(self, limit: int) -> None:
         """Bound the memory of the group's processes to `limit` bytes, swap included (none past it); the kernel's
@@ -114,14 +125,6 @@ class Cgroup:
                 if time.monotonic() > deadline:
                     return False
                 time.sleep(POLL_S)
-
-
-def gate(join_file: int, oom_score: int) -> list[str]:
-    """A command to put before another: bash joins the group through `join_file`, puts its OOM score at
-    `oom_score` (its children inherit it), then execs the command after it; exit 1 with a line saying so if it
-    cannot join."""
-    script = f'echo 0 >&{join_file} && echo {oom_score} >/proc/self/oom_score_adj && exec {join_file}>&- && exec "$@"'
-    return [BASH, "-c", f'{script}; echo "sandbox: cannot join its cgroup" >&2; exit 1', "gate"]
 
 
 def make(path: Path) -> Path | None:

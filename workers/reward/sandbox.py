@@ -61,7 +61,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from workers.reward.cgroup import Cgroup, gate
+from workers.reward.cgroup import Cgroup
 from workers.reward.zygote import HEADER as FRAME
 from workers.reward.zygote import feed, write_frame
 
@@ -224,17 +224,15 @@ class Sandbox:
         seccomp = memfd("sandbox-seccomp", SECCOMP)
         self.info_fd, info_write = os.pipe()  # bwrap writes the host pid of the sandbox's pid 1 here
         os.set_blocking(self.info_fd, False)
-        join = self.cgroup.join_file() if self.cgroup is not None else None
+        # the sandbox goes first when memory runs out, in the group or on the host (a warm server's program raises
+        # its own above the server's: `zygote.run_program`)
+        gate, join = self.cgroup.gate(user(), 500 if warm else 1000) if self.cgroup is not None else ([], None)
         fds = (program, seccomp, info_write) if join is None else (program, seccomp, info_write, join)
         try:
             command = bwrap_command(bwrap, python, limits, program, info_write, warm)
             if SECCOMP:
                 command[1:1] = ["--seccomp", str(seccomp)]
-            if join is not None:
-                # first to go when memory runs out, in the group or on the host (a warm server's program raises its
-                # own above the server's: `zygote.run_program`)
-                command[:0] = gate(join, oom_score=500 if warm else 1000)
-            self.process = start(command, fds)
+            self.process = start([*gate, *command], fds)
         except BaseException:
             os.close(self.info_fd)
             if self.cgroup is not None:
@@ -599,6 +597,11 @@ def start(command: list[str], fds: tuple[int, ...]) -> subprocess.Popen:
         )
     except OSError as exc:
         raise SandboxError(f"cannot start bwrap: {exc} (install the package {PACKAGE})") from exc
+
+
+def user() -> int:
+    """The sandbox's user on the host: nobody when the caller is root, else the caller."""
+    return NOBODY if os.geteuid() == 0 else os.geteuid()
 
 
 def verdict(
