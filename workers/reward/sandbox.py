@@ -19,9 +19,8 @@ it make a cgroup (workers/reward/cgroup.py), all the memory of an execution toge
 does not count): the kernel kills a process of it that would go over, and the execution is "memory". The caller
 reads stdout and stderr up to `limits.output_bytes` each. When the program ends, at the wall-clock limit
 or on overflow, it kills every process of the sandbox: the sandbox's pid 1, which takes every process of its
-pid namespace with it, whether bwrap still runs or not, and whatever is left in its cgroup where the host lets
-it make one (workers/reward/cgroup.py) (a program that writes into pid 1's memory through
-/proc/1/mem can make bwrap exit early and pid 1 stay). No daemon or double fork outlives its execution:
+pid namespace with it, whether bwrap still runs or not (a program that writes into pid 1's memory through
+/proc/1/mem can make bwrap exit early and pid 1 stay), and whatever is left in its cgroup. No daemon or double fork outlives its execution:
 `run_python` returns once pid 1 is gone and reaped (see `Adoption`) and the cgroup is empty and removed, and
 raises SandboxError if a process stays. A seccomp filter refuses the kernel keyring's calls, ptrace's and
 other ABIs' (`seccomp_filter`).
@@ -246,8 +245,9 @@ class Sandbox:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        """Kill what is left, whether bwrap still runs or not (a program that ptraces the sandbox's pid 1 can make
-        bwrap exit early and keep pid 1 alive), and check that nothing is: SandboxError if a process stays."""
+        """Kill what is left, whether bwrap still runs or not (a program that writes into the sandbox's pid 1 through
+        /proc/1/mem can make bwrap exit early and keep pid 1 alive), and check that nothing is: SandboxError if a
+        process stays."""
         try:
             self.read_info()  # bwrap may have named pid 1 since the last read (it does before the program starts)
             self.kill()
@@ -512,8 +512,8 @@ def seccomp_filter(machine: str | None = None) -> bytes:
     lets everything else through. Keyrings are the one thing the namespaces do not separate between the
     executions of a warm server (their user keyring is the server's user namespace's), and the keys' quota is
     the host user's (nobody's) in either mode. ptrace and the calls that read or write another process's memory
-    would let a cold program take over the sandbox's pid 1 (/proc/1/mem still can: the sandbox's end does not
-    rely on pid 1, see `Sandbox.kill`). Empty on a machine whose call numbers it does not know (warm mode is
+    would let a cold program take over the sandbox's pid 1 (/proc/1/mem still can, which is why the sandbox's
+    end does not rely on bwrap: `Sandbox.kill`). Empty on a machine whose call numbers it does not know (warm mode is
     then off)."""
     machine = machine or os.uname().machine
     if machine not in SECCOMP_ARCHES:

@@ -28,6 +28,7 @@ The host side imports `feed` and `write_frame` from here: one definition for bot
 import ast
 import builtins
 import collections
+import contextlib
 import ctypes
 import fractions
 import functools
@@ -160,8 +161,8 @@ def pid_one(header: dict, source: bytes, fds: list[int]) -> int:
 def run_program(header: dict, source: bytes, fds: list[int]) -> None:
     """Become the program: its pipes as fds 0-2 and nothing else open, its directory, its limits; never returns."""
     LIBC.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # its own /proc/self is its own again (pid 1 stays hidden)
-    with open("/proc/self/oom_score_adj", "w") as file:  # the first to go when memory runs out, not the server
-        file.write("1000")
+    with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as file:
+        file.write("1000")  # the first to go when memory runs out, not the server
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh Python has it
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
