@@ -2,15 +2,20 @@
 
 Two shapes of tests, the ones public code-RL datasets carry:
 
-- asserts (`assert f(3) == 14`): one sandbox execution runs the program, then evaluates each assert's tested
-  expression on its own and prints its value. The value crosses as a Python literal (data, not an object of
-  the program's whose `__eq__` could say anything) and is judged here: for a comparison with a literal
-  (`==`, `!=`, `<`, `in`, `is None` ...) only the other side enters the sandbox, so the expected value never
-  does, and no exit, printed line or patched builtin of the program fakes a pass: it would have to print the
-  right values, that is, to compute them. What is left: an assert judged by its truth alone
-  (`assert is_prime(7)`, `assert f(x) == g(x)`) could be faked by a program that reads the harness's job and
-  prints the harness's lines itself, since a truth is all it must guess. Statements among the tests other
-  than asserts (imports, helpers) run once after the program.
+- asserts (`assert f(3) == 14`): one sandbox execution runs the program, then evaluates each probe of the
+  asserts on its own and prints its value. A probe is a largest part of an assert that needs the program
+  (`area(2)` in `assert abs(area(2) - 12.566) < 1e-3`); the literals, operators, comparisons, subscripts and
+  the few pure built-ins around it (abs, round, len, sorted, math.isclose ...: `CALLS`) are computed here, so the
+  expected value never enters the sandbox. A value crosses only as plain data (exact built-in types throughout,
+  as a Python literal), and the assert is judged here from those values: no exit, printed line, patched builtin
+  or object of the program's (whose `__repr__`, `__eq__` or `__abs__` could say anything) fakes a pass, since a
+  value it sends must itself pass the assert here: it would have to compute it. What can be faked: an assert
+  whose expected value sits inside a probe, that is inside a comprehension or lambda (`assert all(f(x) == y for
+  ...)`), a name of the tests' setup (`assert f(2) == EXPECTED`) or a call other than those built-ins; one that
+  compares two values of the program (`assert f(x) == g(x)`); and one judged by its truth alone (`assert
+  is_prime(7)`): a program that reads the harness's job can send the harness's lines itself, with the values
+  that pass. The `code` task's tests (`assert f(-7)==-8`) have none of these shapes. Statements among the tests
+  other than asserts (imports, helpers) run once after the program.
 - stdin/stdout pairs: one execution per input; the stripped output, compared here line by line (trailing
   spaces ignored), must be the expected one, which never enters the sandbox.
 
@@ -21,7 +26,10 @@ Two shapes of tests, the ones public code-RL datasets carry:
 from __future__ import annotations
 
 import ast
+import builtins
+import copy
 import json
+import math
 import operator
 import re
 import secrets
@@ -34,9 +42,20 @@ from workers.reward.sandbox import Execution, Limits, run_python
 LIMITS = Limits(cpu_s=2.0, wall_s=4.0, memory_mb=256, processes=8, file_mb=8, output_bytes=65536)
 BUDGET_S = 8.0  # wall clock for all stdin/stdout executions of one completion (below reward.timeout_s' default)
 MAX_VALUE_CHARS = 16384  # a tested value's repr longer than this fails its test
-FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
-NOT_LITERAL = object()
+# A fence's opening line: blanks, maybe a language and blanks, one newline; each run of blanks tried once (in
+# linear time: two runs side by side would make a line of blanks without a newline cost its length squared).
+FENCE = re.compile(r"```[ \t]*(?:(?:python3?|py)[ \t]*)?\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
+HOSTED = (ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.UnaryOp, ast.BinOp, ast.BoolOp, ast.Compare)
+HOSTED += (ast.IfExp, ast.Subscript, ast.Slice)  # what this process computes of a test (and calls: CALLS)
+PROBE = "probe "  # a placeholder's name: not an identifier, so no test's name is one
+MAX_BITS = 1 << 20  # the largest int the host computes while judging (a program's values meet the tests' literals)
+MAX_ITEMS = 1 << 20  # the longest sequence it builds
 SINGLETONS = (None, True, False)  # what `is` compares with in tests (`assert f(x) is None`): the same objects here
+MATH_CALLS = {"isclose", "sqrt", "floor", "ceil", "fabs", "isnan", "isinf", "pi", "e", "inf"}
+CALLS: dict[str, Callable[..., object]] = {
+    name: getattr(builtins, name)
+    for name in ("abs", "len", "min", "max", "sum", "sorted", "set", "list", "tuple", "dict", "bool", "all", "any")
+} | {"str": str, "int": int, "float": float, "round": lambda number, digits=None: round(number, bounded(digits))}
 COMPARE: dict[type[ast.cmpop], Callable[[object, object], bool]] = {
     ast.Eq: operator.eq,
     ast.NotEq: operator.ne,
@@ -49,14 +68,40 @@ COMPARE: dict[type[ast.cmpop], Callable[[object, object], bool]] = {
     ast.Is: operator.is_,
     ast.IsNot: operator.is_not,
 }
+UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Not: operator.not_, ast.Invert: operator.invert}
+BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+    ast.LShift: operator.lshift,
+    ast.RShift: operator.rshift,
+    ast.BitAnd: operator.and_,
+    ast.BitOr: operator.or_,
+    ast.BitXor: operator.xor,
+}
 
-# What runs in the sandbox for asserts: the job comes on stdin, read before the program runs. Each tested
-# expression's repr goes out on a line of its own with the job's marker (which sets the harness's lines apart
-# from the program's prints), written to a copy of stdout that the program's redirections do not touch.
+# What runs in the sandbox for asserts: the job comes on stdin, read before the program runs. Each probe (a part
+# of an assert that needs the program: `area(2)` of `assert abs(area(2) - 12.566) < 1e-3`) is evaluated on its
+# own; its value goes out as a Python literal, and only when it is plain data (exact built-in types all the way
+# down: no object of the program's, whose __repr__, __eq__ or __abs__ could say anything), on a line of its own
+# with the job's marker (which sets the harness's lines apart from the program's prints), written to a copy of
+# stdout that the program's redirections do not touch.
 HARNESS = f"""
 import json, os, sys
 job = json.loads(sys.stdin.read())
 out = os.dup(1)
+SCALARS = (int, float, complex, str, bytes, bool, type(None))
+def plain(value):
+    kind = type(value)
+    if kind in (list, tuple, set):
+        return all(plain(item) for item in value)
+    if kind is dict:
+        return all(plain(key) and plain(item) for key, item in value.items())
+    return kind in SCALARS
 def report(index, status, text):
     text = text.replace("\\n", " ")
     if len(text) > {MAX_VALUE_CHARS}:
@@ -71,18 +116,35 @@ except BaseException as exc:
     os._exit(0)
 for index, source in enumerate(job["probes"]):
     try:
-        report(index, "ok", repr(eval(compile(source, "<test>", "eval"), scope)))
+        value = eval(compile(source, "<test>", "eval"), scope)
+        if plain(value):
+            report(index, "ok", repr(value))
+        else:
+            report(index, "error", "not plain data: an object of type " + type(value).__name__)
     except BaseException as exc:
         report(index, "error", type(exc).__name__ + ": " + str(exc))
 """
 
 
 @dataclass(frozen=True)
-class Probe:
-    """One assert as the sandbox evaluates it (`source`, an expression) and as this process judges its value."""
+class Check:
+    """One assert: its expression (`source`), and the same with each part that needs the program replaced by a
+    placeholder for a probe's value (`template`), which this process evaluates once the values come back."""
 
     source: str
-    check: Callable[[object], bool] = bool  # of the value, as data; the whole assert's truth by default
+    template: ast.expr
+    probes: tuple[tuple[int, str], ...]  # (index in the job's probes, source)
+
+
+@dataclass(frozen=True)
+class Raised:
+    """A probe that raised in the sandbox, or whose value was no plain data."""
+
+    text: str
+
+
+class Unjudged(Exception):
+    """An assert that cannot pass: a probe raised, or this process would not compute what the test asks."""
 
 
 @dataclass(frozen=True)
@@ -107,52 +169,163 @@ def extract_code(completion: str) -> str:
     return (found[1] if found else completion).strip()
 
 
-def literal(node: ast.expr) -> object:
-    try:
-        return ast.literal_eval(node)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return NOT_LITERAL
+def judged_here(node: ast.expr) -> bool:
+    """Whether this process computes `node` from its parts' values: literals, displays, operators, comparisons,
+    subscripts and a few pure built-in calls; names, attributes, other calls, comprehensions and lambdas are the
+    program's to evaluate. `is` only against None, True or False (identity means nothing across processes)."""
+    if isinstance(node, ast.Call):
+        return not any(isinstance(a, (ast.Starred, ast.GeneratorExp)) for a in node.args) and (
+            (isinstance(node.func, ast.Name) and node.func.id in CALLS)
+            or (is_math(node.func) and node.func.attr in MATH_CALLS)
+        )
+    if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+        sides = (node.left, *node.comparators)
+        return len(node.ops) == 1 and any(
+            isinstance(side, ast.Constant) and any(side.value is s for s in SINGLETONS) for side in sides
+        )
+    if is_math(node):
+        return node.attr in MATH_CALLS
+    return isinstance(node, HOSTED) and not (isinstance(node, ast.Dict) and None in node.keys)
 
 
-def probe_of(test: ast.Assert) -> Probe:
-    """What the sandbox evaluates and how this process judges it: `not x` and a comparison with a literal on
-    one side are judged here (the literal never enters the sandbox); anything else by the truth of its value."""
-    check = test.test
-    if isinstance(check, ast.UnaryOp) and isinstance(check.op, ast.Not):
-        return Probe(ast.unparse(check.operand), operator.not_)
-    if isinstance(check, ast.Compare) and len(check.ops) == 1 and type(check.ops[0]) in COMPARE:
-        compare, left, right = COMPARE[type(check.ops[0])], check.left, check.comparators[0]
-        identity = isinstance(check.ops[0], (ast.Is, ast.IsNot))
-        if (value := literal(right)) is not NOT_LITERAL and (not identity or any(value is s for s in SINGLETONS)):
-            return Probe(ast.unparse(left), lambda got: compare(got, value))
-        if (value := literal(left)) is not NOT_LITERAL and not identity:
-            return Probe(ast.unparse(right), lambda got: compare(value, got))
-    return Probe(ast.unparse(check))
+def is_math(node: ast.expr) -> bool:
+    return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "math"
 
 
-def parse_tests(tests: str | list[str]) -> tuple[str, list[Probe]]:
-    """(setup statements, one probe per top-level assert) of tests; ValueError when they are no tests."""
+def split(node: ast.expr, probes: list[str]) -> ast.expr:
+    """`node` with each largest part that needs the program replaced by a placeholder, its source in `probes`."""
+    if not judged_here(node):
+        probes.append(ast.unparse(node))
+        return ast.Name(f"{PROBE}{len(probes) - 1}", ast.Load())
+    node = copy.copy(node)
+    for field, value in ast.iter_fields(node):
+        if field == "func" or (isinstance(node, ast.Attribute) and field == "value"):
+            continue  # a call's name, or math's: checked by judged_here
+        if isinstance(value, ast.expr):
+            setattr(node, field, split(value, probes))
+        elif isinstance(value, list):
+            setattr(node, field, [split_item(item, probes) for item in value])
+    return node
+
+
+def split_item(item: object, probes: list[str]) -> object:
+    if isinstance(item, ast.expr):
+        return split(item, probes)
+    if isinstance(item, ast.keyword):
+        return ast.keyword(item.arg, split(item.value, probes))
+    return item  # an operator
+
+
+def evaluate(node: ast.expr, values: dict[int, object]) -> object:
+    """A template's value, from plain data only: Unjudged when a probe it needs raised or an operation would
+    outgrow MAX_BITS or MAX_ITEMS (a program's value should not make this process compute for ever)."""
+    match node:
+        case ast.Constant(value=value):
+            return value
+        case ast.Name(id=name):
+            value = values[int(name.removeprefix(PROBE))]
+            if isinstance(value, Raised):
+                raise Unjudged(value.text)
+            return value
+        case ast.Tuple(elts=items) | ast.List(elts=items) | ast.Set(elts=items):
+            kind = {ast.Tuple: tuple, ast.List: list, ast.Set: set}[type(node)]
+            return kind(evaluate(item, values) for item in items)
+        case ast.Dict(keys=keys, values=items):
+            return {evaluate(key, values): evaluate(item, values) for key, item in zip(keys, items, strict=True)}
+        case ast.UnaryOp(op=op, operand=operand):
+            return UNARY[type(op)](evaluate(operand, values))
+        case ast.BinOp(left=left, op=op, right=right):
+            return binary(op, evaluate(left, values), evaluate(right, values))
+        case ast.BoolOp(op=op, values=operands):
+            for operand in operands:
+                result = evaluate(operand, values)
+                if bool(result) is isinstance(op, ast.Or):
+                    return result
+            return result
+        case ast.Compare(left=left, ops=ops, comparators=comparators):
+            before = evaluate(left, values)
+            for op, comparator in zip(ops, comparators, strict=True):
+                after = evaluate(comparator, values)
+                if not COMPARE[type(op)](before, after):
+                    return False
+                before = after
+            return True
+        case ast.IfExp(test=test, body=body, orelse=orelse):
+            return evaluate(body if evaluate(test, values) else orelse, values)
+        case ast.Subscript(value=value, slice=index):
+            return evaluate(value, values)[evaluate(index, values)]
+        case ast.Slice(lower=lower, upper=upper, step=step):
+            return slice(*(None if part is None else evaluate(part, values) for part in (lower, upper, step)))
+        case ast.Attribute(attr=name):
+            return getattr(math, name)
+        case ast.Call(func=func, args=args, keywords=keywords):
+            call = getattr(math, func.attr) if isinstance(func, ast.Attribute) else CALLS[func.id]
+            return call(*(evaluate(a, values) for a in args), **{k.arg: evaluate(k.value, values) for k in keywords})
+    raise Unjudged(f"cannot judge {ast.unparse(node)}")
+
+
+def binary(op: ast.operator, left: object, right: object) -> object:
+    """`left op right`, refused when it would build an int or a sequence past the bounds."""
+    ints = isinstance(left, int) and isinstance(right, int)
+    if isinstance(op, ast.Pow) and ints and right > 0 and abs(left) > 1:
+        bounded(left.bit_length() * right)
+    elif isinstance(op, ast.LShift) and ints:
+        bounded(left.bit_length() + right)
+    elif isinstance(op, ast.Mult) and isinstance(left, (str, bytes, list, tuple)) and isinstance(right, int):
+        bounded(len(left) * right)
+    elif isinstance(op, ast.Mult) and isinstance(right, (str, bytes, list, tuple)) and isinstance(left, int):
+        bounded(len(right) * left)
+    elif isinstance(op, ast.Mod) and isinstance(left, (str, bytes)):
+        raise Unjudged("string formatting in a test")
+    return BINARY[type(op)](left, right)
+
+
+def bounded(size: int | None) -> int | None:
+    if size is not None and abs(size) > MAX_BITS:
+        raise Unjudged(f"a value of {size} bits or items: too large to judge")
+    return size
+
+
+def parse_tests(tests: str | list[str]) -> tuple[str, list[Check], list[str]]:
+    """(setup statements, one check per top-level assert, the probes of all) of tests; ValueError when they are
+    no tests."""
     source = "\n".join(tests) if isinstance(tests, list) else tests
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
         raise ValueError(f"the tests are not Python: {exc}") from None
-    probes = [probe_of(node) for node in tree.body if isinstance(node, ast.Assert)]
-    if not probes:
+    checks, probes = [], []
+    for node in tree.body:
+        if isinstance(node, ast.Assert):
+            first = len(probes)
+            template = split(node.test, probes)
+            checks.append(Check(ast.unparse(node.test), template, tuple(enumerate(probes[first:], start=first))))
+    if not checks:
         raise ValueError("the tests hold no assert statement")
     setup = [node for node in tree.body if not isinstance(node, ast.Assert)]
-    return ast.unparse(ast.Module(setup, type_ignores=[])), probes
+    return ast.unparse(ast.Module(setup, type_ignores=[])), checks, probes
 
 
-def passes(probe: Probe, status: str, text: str) -> bool:
-    """The value printed crosses as a Python literal (data: no object of the program's, whose `__eq__` or
-    `__bool__` could say anything) and is judged here."""
-    if status != "ok":
-        return False
+def judge(check: Check, lines: dict[int, list[tuple[str, str]]], execution: Execution) -> str:
+    """'' when the assert holds, computed here from its probes' values as data; else why not, in one line."""
+    values, seen = {}, []
+    for index, source in check.probes:
+        mine = lines.get(index, [])
+        if not mine:
+            return f"assert {source}: no result ({execution.reason or 'the program ended before it'})"[:300]
+        if len(mine) > 1:
+            return f"assert {source}: {len(mine)} results (the program printed the harness's lines)"[:300]
+        status, text = mine[0]
+        seen.append(f"assert {source}: {'raised ' if status == 'error' else 'got '}{text}")
+        try:
+            values[index] = ast.literal_eval(text) if status == "ok" else Raised(text)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            values[index] = Raised(f"not a literal: {text}")
     try:
-        return bool(probe.check(ast.literal_eval(text)))
-    except Exception:  # not a literal (an object of the program's), or values that cannot be compared
-        return False
+        holds = bool(evaluate(check.template, values))
+    except Exception as exc:  # Unjudged, or what the values' operations raise: a failed test
+        holds, seen = False, seen or [f"assert {check.source}: {exc}"]
+    return "" if holds else (", ".join(seen) or f"assert {check.source}: false")[:300]
 
 
 def reported(execution: Execution, marker: str) -> dict[int, list[tuple[str, str]]]:
@@ -166,34 +339,18 @@ def reported(execution: Execution, marker: str) -> dict[int, list[tuple[str, str
 
 
 def check_asserts(code: str, tests: str | list[str], limits: Limits = LIMITS) -> Verdict:
-    """Run `code`, then each assert of `tests` separately, in one sandbox execution. A test passes only on one
-    line of the harness's, with a value that passes here; a second line for a test (printed by the program)
-    fails it."""
-    setup, probes = parse_tests(tests)
+    """Run `code`, then each probe of `tests` separately, in one sandbox execution, and judge each assert here
+    from its probes' values. A probe counts only on one line of the harness's; a second line for it (printed
+    by the program) fails its assert."""
+    setup, checks, probes = parse_tests(tests)
     marker = secrets.token_hex(16)
-    job = {"marker": marker, "code": code, "setup": setup, "probes": [p.source for p in probes]}
+    job = {"marker": marker, "code": code, "setup": setup, "probes": probes}
     execution = run_python(HARNESS, stdin=json.dumps(job), limits=limits)
     lines = reported(execution, marker)
     if -1 in lines:
-        return Verdict(0, len(probes), f"the program failed: {lines[-1][0][1]}"[:300])
-    passed, reason = 0, ""
-    for index, probe in enumerate(probes):
-        mine = lines.get(index, [])
-        if len(mine) == 1 and passes(probe, *mine[0]):
-            passed += 1
-        elif not reason:
-            reason = failure(probe, mine, execution)
-    return Verdict(passed, len(probes), reason)
-
-
-def failure(probe: Probe, lines: list[tuple[str, str]], execution: Execution) -> str:
-    """Why a test failed, in one line."""
-    if not lines:
-        return f"assert {probe.source}: no result ({execution.reason or 'the program ended before it'})"[:300]
-    if len(lines) > 1:
-        return f"assert {probe.source}: {len(lines)} results (the program printed the harness's lines)"[:300]
-    status, text = lines[0]
-    return f"assert {probe.source}: {'raised ' if status == 'error' else 'got '}{text}"[:300]
+        return Verdict(0, len(checks), f"the program failed: {lines[-1][0][1]}"[:300])
+    reasons = [judge(check, lines, execution) for check in checks]
+    return Verdict(reasons.count(""), len(checks), next((reason for reason in reasons if reason), ""))
 
 
 def same_output(got: str, expected: str) -> bool:

@@ -13,12 +13,17 @@ the sandbox. Its environment holds PATH, HOME and PWD alone (bwrap itself starts
 When the caller is root, bwrap runs as `nobody` (65534): the code is an unprivileged user on the host
 too, not host root in a user namespace (for which the kernel would not even count processes against
 RLIMIT_NPROC). prlimit sets CPU seconds, address space, processes, file size and open files before
-Python starts; the process count is per user namespace (Linux >= 5.14), so per execution. The caller
-reads stdout and stderr up to `limits.output_bytes` each, and at the wall-clock limit or on overflow
-kills the sandbox's pid 1, which takes every process of its pid namespace with it. A daemon or double
-fork cannot outlive the execution either: when the program ends bwrap exits, and its pid 1 dies with it
-(--die-with-parent). `run_python` returns once that pid 1 is gone, and reaps it (see `Adoption`). A seccomp
-filter refuses the kernel keyring's calls and other ABIs' (`seccomp_filter`).
+Python starts; the process count is per user namespace (Linux >= 5.14), so per execution. Where the host lets
+it make a cgroup (workers/reward/cgroup.py), all the memory of an execution together is bounded by
+`limits.memory_mb` too, files held in memfds, tmpfs and shared memory included (which the address-space limit
+does not count): the kernel kills a process of it that would go over, and the execution is "memory". The caller
+reads stdout and stderr up to `limits.output_bytes` each. When the program ends, at the wall-clock limit
+or on overflow, it kills every process of the sandbox: the sandbox's pid 1, which takes every process of its
+pid namespace with it, whether bwrap still runs or not (a program that writes into pid 1's memory through
+/proc/1/mem can make bwrap exit early and pid 1 stay), and whatever is left in its cgroup. No daemon or double fork outlives its execution:
+`run_python` returns once pid 1 is gone and reaped (see `Adoption`) and the cgroup is empty and removed, and
+raises SandboxError if a process stays. A seccomp filter refuses the kernel keyring's calls, ptrace's and
+other ABIs' (`seccomp_filter`).
 Needs Linux >= 5.4 (pidfds) and bubblewrap >= 0.8 (--disable-userns, --size).
 
 Warm (the default; ASYNCRL_SANDBOX=cold for a bwrap per execution): the same sandbox, one per execution running
@@ -27,8 +32,9 @@ forks each execution a child in fresh mount, pid, ipc, net and uts namespaces of
 /sandbox, /proc and working directory, no capabilities and the same rlimits: every property above holds
 between executions too, and an execution costs a fork instead of bwrap's set-up and Python's start-up
 (`asyncrl bench sandbox`: about 3-4 times the executions per second). What executions of one server share:
-the user (RLIMIT_NPROC counts the server's three processes as well) and the interpreter's memory as it was
-before any request (the server never reads one).
+the user (RLIMIT_NPROC counts the server's three processes as well), the interpreter's memory as it was
+before any request (the server never reads one), and the server's cgroup, whose memory bound is set before each
+request to what the server holds then plus `limits.memory_mb`.
 Calls are synchronous and independent: call `run_python` from many threads or processes at once.
 """
 
@@ -54,6 +60,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+from workers.reward.cgroup import Cgroup
 from workers.reward.zygote import HEADER as FRAME
 from workers.reward.zygote import feed, write_frame
 
@@ -67,6 +74,8 @@ MODE_VARIABLE = "ASYNCRL_SANDBOX"  # 'cold': a bwrap of its own per execution; e
 WORKDIR = "/sandbox/work"  # the program's working directory and HOME: the only writable place
 SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # links into /usr, or directories
 READ_CHUNK = 65536
+MB = 1024 * 1024
+BOUND_SLACK = 4 * MB  # a warm server's bound is set again once its own memory moved by more
 ZYGOTE_GRACE_S = 5.0  # past an execution's wall-clock limit, before a silent warm server is given up
 KILL_WAIT_S = 10.0  # for the kernel to empty a killed sandbox's pid namespace (milliseconds in practice)
 PR_SET_CHILD_SUBREAPER = 36  # prctl option, linux/prctl.h
@@ -76,8 +85,11 @@ Status = Literal["ok", "error", "timeout", "memory", "output_limit", "killed"]
 SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
 BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x06
 SOCK_FILTER = struct.Struct("=HBBI")  # code, jump if true, jump if false, k
-# machine -> (AUDIT_ARCH_*, the numbers of add_key, request_key, keyctl)
-SECCOMP_ARCHES = {"x86_64": (0xC000003E, (248, 249, 250)), "aarch64": (0xC00000B7, (217, 218, 219))}
+# machine -> (AUDIT_ARCH_*, the numbers of add_key, request_key, keyctl, ptrace, process_vm_readv, process_vm_writev)
+SECCOMP_ARCHES = {
+    "x86_64": (0xC000003E, (248, 249, 250, 101, 310, 311)),
+    "aarch64": (0xC00000B7, (217, 218, 219, 117, 270, 271)),
+}
 
 
 class SandboxError(RuntimeError):
@@ -90,7 +102,9 @@ class Limits:
 
     cpu_s: float = 2.0  # CPU seconds of each process (rounded up to whole seconds), then SIGXCPU
     wall_s: float = 5.0  # wall-clock seconds of the whole execution, then the sandbox is killed
-    memory_mb: int = 256  # address space of each process (RLIMIT_AS): Python raises MemoryError past it
+    # address space of each process (RLIMIT_AS): Python raises MemoryError past it; and, where the host gives the
+    # sandbox a cgroup, all the memory of the execution together (files in memfds and tmpfs included)
+    memory_mb: int = 256
     processes: int = 16  # processes and threads of the sandbox's user, bwrap's pid 1 included
     file_mb: int = 16  # the largest file, and the whole working directory (its tmpfs)
     open_files: int = 64  # file descriptors per process
@@ -139,24 +153,52 @@ def run_python(source: str, stdin: str = "", limits: Limits = Limits(), warm: bo
     """Run `source` as a Python program with `stdin` in a fresh sandbox; always returns, whatever the code does,
     once no process of the execution is left. `warm` (default: the environment's ASYNCRL_SANDBOX, warm unless
     it says cold) runs it in a child of a warm server (see `Zygote`) instead of a bwrap of its own. Raises
-    SandboxError only when the sandbox itself cannot start."""
+    SandboxError only when the sandbox itself cannot start; text that cannot run the same in both modes is an
+    error without an execution (see `encoded`)."""
+    try:
+        program, data = encoded(source, stdin)
+    except ValueError as refused:
+        return Execution("error", None, "", "", str(refused), 0.0)
     if (warm if warm is not None else os.environ.get(MODE_VARIABLE, "warm") != "cold") and SECCOMP:
-        return WARM.run(source, stdin, limits)
+        return WARM.run(program, data, limits)
     bwrap, python = find_bwrap(), find_python()
     started = time.monotonic()
-    with ADOPTION, Sandbox(bwrap, python, source, limits) as sandbox:
-        stdout, stderr, ended = sandbox.communicate(stdin.encode())
+    with ADOPTION, Sandbox(bwrap, python, program, limits) as sandbox:
+        stdout, stderr, ended = sandbox.communicate(data)
+        out_of_memory = sandbox.cgroup is not None and sandbox.cgroup.oom_kills() > 0
     exit_code = None if ended else sandbox.process.returncode
     # bwrap's set-up failed (a program that writes such a line itself and exits 1 fails only its own execution)
-    if exit_code == 1 and stderr.startswith(b"bwrap: ") and not stdout:
+    if exit_code == 1 and stderr.startswith((b"bwrap: ", b"sandbox: ")) and not stdout:
         raise SandboxError(f"{first_line(stderr)} (is the package {PACKAGE} working here?)")
-    return execution(exit_code, stdout, stderr, ended, limits, started)
+    return execution(exit_code, stdout, stderr, ended, limits, started, out_of_memory)
+
+
+def encoded(source: str, stdin: str) -> tuple[bytes, bytes]:
+    """The program and its stdin in UTF-8; ValueError, in one line, for a lone surrogate in either (no UTF-8 holds
+    one) or a NUL byte in the source (Python refuses a program with one; a cold one would be cut there)."""
+    texts = []
+    for name, text in (("source", source), ("stdin", stdin)):
+        try:
+            texts.append(text.encode())
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"the program's {name} is not Unicode text: a lone surrogate at character {exc.start}"
+            ) from None
+    if "\0" in source:
+        raise ValueError(f"the program's source holds a NUL byte at character {source.index(chr(0))}")
+    return texts[0], texts[1]
 
 
 def execution(
-    exit_code: int | None, stdout: bytes, stderr: bytes, ended: str | None, limits: Limits, started: float
+    exit_code: int | None,
+    stdout: bytes,
+    stderr: bytes,
+    ended: str | None,
+    limits: Limits,
+    started: float,
+    out_of_memory: bool = False,
 ) -> Execution:
-    status, reason = verdict(exit_code, stderr, ended, limits)
+    status, reason = verdict(exit_code, stderr, ended, limits, out_of_memory)
     return Execution(status, exit_code, text(stdout), text(stderr), reason, round(time.monotonic() - started, 4))
 
 
@@ -169,54 +211,72 @@ def memfd(name: str, data: bytes) -> int:
 
 
 class Sandbox:
-    """One bwrap process and its pipes. Leaving the `with` kills what still runs and returns once the sandbox's
-    pid 1 is gone (the kernel empties a pid namespace before its pid 1 counts as exited) and reaped here."""
+    """One bwrap process and its pipes, in a cgroup of its own where the host allows (`Cgroup`). Leaving the `with`
+    kills every process of the sandbox, by handles no program can dodge (the pidfd of its pid namespace's pid 1,
+    and its cgroup), and returns once none is left and pid 1 is reaped here."""
 
-    def __init__(self, bwrap: str, python: str, source: str, limits: Limits, warm: bool = False):
-        self.limits, self.info, self.pidfd = limits, bytearray(), None
-        program = memfd("sandbox-source", source.encode())  # bwrap copies it into the sandbox before the code starts
+    def __init__(self, bwrap: str, python: str, source: bytes, limits: Limits, warm: bool = False):
+        self.limits, self.info, self.pidfd, self.cgroup = limits, bytearray(), None, Cgroup.create()
+        if self.cgroup is not None and not warm:  # a warm server's bound is set per request (`Zygote.run`)
+            self.cgroup.limit_memory(limits.memory_mb * MB)
+        program = memfd("sandbox-source", source)  # bwrap copies it into the sandbox before the code starts
         seccomp = memfd("sandbox-seccomp", SECCOMP)
         self.info_fd, info_write = os.pipe()  # bwrap writes the host pid of the sandbox's pid 1 here
         os.set_blocking(self.info_fd, False)
+        # the sandbox goes first when memory runs out, in the group or on the host (a warm server's program raises
+        # its own above the server's: `zygote.run_program`)
+        gate, join = self.cgroup.gate(user(), 500 if warm else 1000) if self.cgroup is not None else ([], None)
+        fds = (program, seccomp, info_write) if join is None else (program, seccomp, info_write, join)
         try:
             command = bwrap_command(bwrap, python, limits, program, info_write, warm)
             if SECCOMP:
                 command[1:1] = ["--seccomp", str(seccomp)]
-            self.process = start(command, (program, seccomp, info_write))
+            self.process = start([*gate, *command], fds)
         except BaseException:
             os.close(self.info_fd)
+            if self.cgroup is not None:
+                self.cgroup.remove(KILL_WAIT_S)
             raise
         finally:
-            for fd in (program, seccomp, info_write):
+            for fd in fds:
                 os.close(fd)
 
     def __enter__(self) -> Sandbox:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.read_info()  # bwrap may have named pid 1 since the last read
-        if self.process.poll() is None:
+        """Kill what is left, whether bwrap still runs or not (a program that writes into the sandbox's pid 1 through
+        /proc/1/mem can make bwrap exit early and keep pid 1 alive), and check that nothing is: SandboxError if a
+        process stays."""
+        try:
+            self.read_info()  # bwrap may have named pid 1 since the last read (it does before the program starts)
             self.kill()
-        self.read_info()
-        if self.pidfd is not None:
-            select.select([self.pidfd], [], [], KILL_WAIT_S)  # readable once pid 1, so every process, is gone
-            with contextlib.suppress(ChildProcessError):  # bwrap reaped it itself
-                os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOHANG)  # an orphan adopted here
-            os.close(self.pidfd)
-        os.close(self.info_fd)
-        for pipe in (self.process.stdin, self.process.stdout, self.process.stderr):
-            pipe.close()
+            if self.pidfd is not None:
+                if not select.select([self.pidfd], [], [], KILL_WAIT_S)[0]:  # readable once pid 1, so all, is gone
+                    raise SandboxError("the sandbox's pid 1 outlived a SIGKILL")
+                with contextlib.suppress(ChildProcessError):  # bwrap reaped it itself
+                    os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOHANG)  # an orphan adopted here
+            if self.cgroup is not None and not self.cgroup.remove(KILL_WAIT_S):
+                raise SandboxError(f"a process of the sandbox outlived a SIGKILL, in {self.cgroup.path}")
+        finally:
+            if self.pidfd is not None:
+                os.close(self.pidfd)
+            os.close(self.info_fd)
+            for pipe in (self.process.stdin, self.process.stdout, self.process.stderr):
+                pipe.close()
 
     def kill(self) -> None:
-        """SIGKILL the sandbox's pid 1, so bwrap reaps it once the kernel has emptied its namespace and exits;
-        bwrap's process group if pid 1 is not known yet, or bwrap does not end (pid 1 then dies with it)."""
+        """SIGKILL every process of the sandbox: its pid 1, whose end ends its whole pid namespace, what is left in
+        its cgroup, and bwrap (its process group where bwrap does not end once pid 1 is gone, or has not named pid
+        1 yet). Returns once bwrap is reaped."""
         if self.pidfd is not None:
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(KILL_WAIT_S)
-                return
-        with contextlib.suppress(ProcessLookupError):
+        if self.cgroup is not None:
+            self.cgroup.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(KILL_WAIT_S if self.pidfd is not None else 0)  # bwrap ends once pid 1 is gone
+        if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
 
@@ -286,7 +346,7 @@ class Zygote:
         """Start the server and run `pass` in it: SandboxError, in one line, when it cannot serve here. This
         process is a child subreaper for the server's life (`Adoption`): its sandbox's pid 1 is reaped here
         whenever it ends."""
-        server = (Path(__file__).parent / "zygote.py").read_text()
+        server = (Path(__file__).parent / "zygote.py").read_bytes()
         ADOPTION.__enter__()
         try:
             self.sandbox = Sandbox(bwrap, python, server, Limits(), warm=True)
@@ -295,8 +355,9 @@ class Zygote:
             raise
         self.stdin, self.stdout = self.sandbox.process.stdin.fileno(), self.sandbox.process.stdout.fileno()
         self.served = -1  # executions answered, the probe not counted
+        self.oom_kills, self.memory_bound = 0, 0  # of the server's cgroup, before the request under way
         try:
-            probe = self.run("", "", Limits(wall_s=30.0))
+            probe = self.run(b"", b"", Limits(wall_s=30.0))
         except ZygoteLost as lost:
             self.close()
             raise SandboxError(f"{lost} (is the package {PACKAGE} working here? ASYNCRL_SANDBOX=cold)") from None
@@ -304,12 +365,18 @@ class Zygote:
             self.close()
             raise SandboxError(f"the warm sandbox cannot run Python here: {first_line(probe[2], last=True)}")
 
-    def run(self, source: str, stdin: str, limits: Limits) -> tuple[int | None, bytes, bytes, str | None]:
+    def run(self, source: bytes, stdin: bytes, limits: Limits) -> tuple[int | None, bytes, bytes, str | None]:
         """(exit code, stdout, stderr, ended) as `Sandbox.communicate` and bwrap give them; ZygoteLost when the
         server does not answer in time (the caller then closes it)."""
         header = {**asdict(limits), "cpu": max(1, math.ceil(limits.cpu_s))}
+        cgroup = self.sandbox.cgroup
+        if cgroup is not None:  # the server's memory as it is now, and the execution's on top
+            bound = cgroup.memory_used() + limits.memory_mb * MB
+            if abs(bound - self.memory_bound) > BOUND_SLACK:
+                cgroup.limit_memory(bound)
+                self.memory_bound = bound
         try:
-            write_frame(self.stdin, header, source.encode(), stdin.encode())
+            write_frame(self.stdin, header, source, stdin)
         except OSError as exc:
             raise ZygoteLost(f"the warm sandbox took no request: {exc}") from exc
         deadline = time.monotonic() + limits.wall_s + ZYGOTE_GRACE_S
@@ -318,6 +385,14 @@ class Zygote:
         self.read(1, deadline)  # the server's word that the execution's last process is gone
         self.served += 1
         return answer["exit_code"], stdout, stderr, answer["ended"]
+
+    def out_of_memory(self) -> bool:
+        """Whether the kernel killed a process of the server's cgroup for memory since the last time it was asked
+        (after the last execution)."""
+        if self.sandbox.cgroup is None:
+            return False
+        before, self.oom_kills = self.oom_kills, self.sandbox.cgroup.oom_kills()
+        return self.oom_kills > before
 
     def read(self, size: int, deadline: float) -> bytes:
         data = bytearray()
@@ -357,20 +432,24 @@ class WarmPool:
     def __init__(self) -> None:
         self.lock, self.idle, self.starter = threading.Lock(), [], None
 
-    def run(self, source: str, stdin: str, limits: Limits) -> Execution:
+    def run(self, source: bytes, stdin: bytes, limits: Limits) -> Execution:
         started = time.monotonic()
         zygote = self.take()
         try:
             exit_code, stdout, stderr, ended = zygote.run(source, stdin, limits)
         except ZygoteLost as lost:
+            out_of_memory = zygote.out_of_memory()  # the kernel may have killed the server itself
             zygote.close()
+            if out_of_memory:
+                return execution(None, b"", b"", None, limits, started, out_of_memory)
             return Execution("killed", None, "", "", str(lost), round(time.monotonic() - started, 4))
         except BaseException:
             zygote.close()
             raise
+        out_of_memory = zygote.out_of_memory()
         with self.lock:
             self.idle.append(zygote)
-        return execution(exit_code, stdout, stderr, ended, limits, started)
+        return execution(exit_code, stdout, stderr, ended, limits, started, out_of_memory)
 
     def take(self) -> Zygote:
         """An idle server that still runs, or a new one."""
@@ -429,10 +508,13 @@ atexit.register(WARM.close)
 
 def seccomp_filter(machine: str | None = None) -> bytes:
     """A seccomp program (struct sock_filter[], what bwrap's --seccomp loads) that answers ENOSYS to the kernel
-    keyring's calls, to every call of another ABI (i386, x32: numbers it does not check), and lets everything
-    else through. Keyrings are the one thing the namespaces do not separate between the executions of a warm
-    server (their user keyring is the server's user namespace's), and the keys' quota is the host user's
-    (nobody's) in either mode. Empty on a machine whose call numbers it does not know (warm mode is then off)."""
+    keyring's calls, to ptrace's and to every call of another ABI (i386, x32: numbers it does not check), and
+    lets everything else through. Keyrings are the one thing the namespaces do not separate between the
+    executions of a warm server (their user keyring is the server's user namespace's), and the keys' quota is
+    the host user's (nobody's) in either mode. ptrace and the calls that read or write another process's memory
+    would let a cold program take over the sandbox's pid 1 (/proc/1/mem still can, which is why the sandbox's
+    end does not rely on bwrap: `Sandbox.kill`). Empty on a machine whose call numbers it does not know (warm mode is
+    then off)."""
     machine = machine or os.uname().machine
     if machine not in SECCOMP_ARCHES:
         return b""
@@ -517,12 +599,22 @@ def start(command: list[str], fds: tuple[int, ...]) -> subprocess.Popen:
         raise SandboxError(f"cannot start bwrap: {exc} (install the package {PACKAGE})") from exc
 
 
-def verdict(exit_code: int | None, stderr: bytes, ended: str | None, limits: Limits) -> tuple[Status, str | None]:
-    """(status, one-line reason) of an execution."""
+def user() -> int:
+    """The sandbox's user on the host: nobody when the caller is root, else the caller."""
+    return NOBODY if os.geteuid() == 0 else os.geteuid()
+
+
+def verdict(
+    exit_code: int | None, stderr: bytes, ended: str | None, limits: Limits, out_of_memory: bool = False
+) -> tuple[Status, str | None]:
+    """(status, one-line reason) of an execution; `out_of_memory` when the kernel killed a process of it for going
+    over its cgroup's memory bound."""
     if ended == "timeout":
         return "timeout", f"ran past the wall-clock limit of {limits.wall_s:g} s and was killed"
     if ended == "output_limit":
         return "output_limit", f"wrote more than {limits.output_bytes} bytes to stdout or stderr and was killed"
+    if out_of_memory:  # a process of it, maybe not the program's first, killed by the kernel
+        return "memory", f"held more than the memory limit of {limits.memory_mb} MB in all and was killed"
     if exit_code == 0:
         return "ok", None
     last = first_line(stderr, last=True)

@@ -28,6 +28,7 @@ The host side imports `feed` and `write_frame` from here: one definition for bot
 import ast
 import builtins
 import collections
+import contextlib
 import ctypes
 import fractions
 import functools
@@ -160,6 +161,8 @@ def pid_one(header: dict, source: bytes, fds: list[int]) -> int:
 def run_program(header: dict, source: bytes, fds: list[int]) -> None:
     """Become the program: its pipes as fds 0-2 and nothing else open, its directory, its limits; never returns."""
     LIBC.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # its own /proc/self is its own again (pid 1 stays hidden)
+    with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as file:
+        file.write("1000")  # the first to go when memory runs out, not the server
     signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh Python has it
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
@@ -179,11 +182,12 @@ def run_program(header: dict, source: bytes, fds: list[int]) -> None:
     sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")  # noqa: SIM115
     sys.argv = [SOURCE]
-    os._exit(execute(source.decode("utf-8", errors="replace")))
+    os._exit(execute(source))
 
 
-def execute(source: str) -> int:
-    """Run the program as `python main.py` would, as __main__: its exit status."""
+def execute(source: bytes) -> int:
+    """Run the program as `python main.py` would (its bytes, as the file's: a coding line or BOM counts), as
+    __main__: its exit status."""
     main_module = types.ModuleType("__main__")
     main_module.__dict__.update(__file__=SOURCE, __builtins__=builtins)
     sys.modules["__main__"] = main_module
