@@ -82,12 +82,12 @@ def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def bubblewrap() -> str:
-    """bwrap's path once the sandbox (workers/reward/sandbox.py) runs here (`make system-deps` installs it); a
+    """bwrap's path once the sandbox (workers/sandbox/bwrap.py) runs here (`make system-deps` installs it); a
     sandbox that does not run fails."""
     if sys.platform != "linux":
         pytest.skip("the sandbox is bubblewrap, which needs Linux")
     require_tools(["bwrap"], ["bubblewrap"], "system-deps")
-    from workers.reward.sandbox import SandboxError, require_bwrap
+    from workers.sandbox.bwrap import SandboxError, require_bwrap
 
     try:
         return require_bwrap()

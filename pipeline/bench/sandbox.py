@@ -1,4 +1,4 @@
-"""`asyncrl bench sandbox`: sandboxed executions per second (workers/reward/sandbox.py), cold and warm.
+"""`asyncrl bench sandbox`: sandboxed executions per second (workers/sandbox/bwrap.py), cold and warm.
 
 Cold: a fresh bwrap per execution. Warm: a fork of a warm server per execution, in fresh namespaces of its
 own (`Zygote`), one server per execution running at once; the servers start before the clock does, as they
@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
-from workers.reward.sandbox import WARM, Limits, find_python, require_bwrap, run_python
+from workers.sandbox.bwrap import WARM, Limits, find_python, require_bwrap, run_python
 
 MODES = ("cold", "warm")
 

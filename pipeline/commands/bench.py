@@ -53,7 +53,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         kinds.add_parser(
             "sandbox",
             help="sandboxed executions of untrusted Python per second, cold (a bwrap each) and warm",
-            description="Runs `pass` and a small checker in workers/reward/sandbox.py's sandbox, cold (a fresh "
+            description="Runs `pass` and a small checker in workers/sandbox/bwrap.py's sandbox, cold (a fresh "
             "bwrap per execution) and warm (a fork of a warm server in fresh namespaces), --executions times at "
             "each --parallelism, and the same Python alone outside it for scale; needs bwrap (package bubblewrap).",
         )

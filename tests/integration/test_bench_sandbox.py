@@ -6,7 +6,7 @@ import pytest
 
 from pipeline.bench.sandbox import PROGRAMS
 from pipeline.cli import main
-from workers.reward.sandbox import run_python
+from workers.sandbox.bwrap import run_python
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import json
 import pytest
 
 from workers.reward import functions
-from workers.reward.code import check_asserts, partial_code_reward
 from workers.rows import parse_row
+from workers.sandbox.code import check_asserts, partial_code_reward
 from workers.tasks import EOS_TEXT, load_task
 from workers.tasks.code import parse, solution
 

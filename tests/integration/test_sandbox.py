@@ -1,4 +1,4 @@
-"""The sandbox for model-written code (workers/reward/sandbox.py) against real attacks.
+"""The sandbox for model-written code (workers/sandbox/bwrap.py) against real attacks.
 
 Each attack runs as an untrusted program would, and fails with its reason; the calling process keeps its
 files, its environment and its helper processes; and after every test no process of any execution is left
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.reward.sandbox import (
+from workers.sandbox.bwrap import (
     MODE_VARIABLE,
     NOBODY,
     SOURCE,

@@ -1,4 +1,4 @@
-"""Attacks on the sandbox (workers/reward/sandbox.py) that once got through, each in both modes: a program that
+"""Attacks on the sandbox (workers/sandbox/bwrap.py) that once got through, each in both modes: a program that
 outlives its execution, odd text that broke the host's side, and memory that the address-space limit does not
 count. The fixtures are test_sandbox.py's: every test runs cold and warm, and nothing of an execution may be
 left after it."""
@@ -13,9 +13,9 @@ import time
 import pytest
 from test_sandbox import mode, nothing_left_behind, sandbox_processes  # noqa: F401 (fixtures)
 
-from workers.reward.cgroup import Cgroup
-from workers.reward.code import code_reward, extract_code
-from workers.reward.sandbox import Limits, run_python
+from workers.sandbox.bwrap import Limits, run_python
+from workers.sandbox.cgroup import Cgroup
+from workers.sandbox.code import code_reward, extract_code
 from workers.tasks import load_task
 
 pytestmark = pytest.mark.usefixtures("bubblewrap")

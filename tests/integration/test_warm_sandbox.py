@@ -1,4 +1,4 @@
-"""The warm sandbox's own failures (workers/reward/sandbox.py `Zygote`, `WarmPool`): a server killed or stopped
+"""The warm sandbox's own failures (workers/sandbox/bwrap.py `Zygote`, `WarmPool`): a server killed or stopped
 from outside costs at most the execution it was running, and is replaced; nothing of it is left. The attacks
 of tests/integration/test_sandbox.py run against the warm sandbox too."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.reward.sandbox import WARM, Limits, run_python
+from workers.sandbox.bwrap import WARM, Limits, run_python
 
 pytestmark = pytest.mark.usefixtures("bubblewrap")
 

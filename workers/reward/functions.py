@@ -3,7 +3,7 @@
 A reward function is `fn(prompt: str, completion: str, metadata: dict[str, str])`
 returning a float, or `(float, details: dict)`. `metadata` holds the row's fields
 plus "answer". 'builtin' is the task's own verifier; 'code' runs the completion against the
-row's tests in the sandbox (`workers/reward/code.py`). This module runs inside the scoring processes.
+row's tests in the sandbox (`workers/sandbox/code.py`). This module runs inside the scoring processes.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from schemas.validate import MAX_ABS_REWARD
 from workers.plugins import load_attribute
-from workers.reward.code import code_reward, extract_code
+from workers.sandbox.code import code_reward, extract_code
 from workers.tasks import load_task
 
 RewardFn = Callable[[str, str, dict[str, str]], Any]

@@ -17,8 +17,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from workers.plugins import load_class
-from workers.reward.sandbox import Limits, require_bwrap, run_python
 from workers.rollout.protocol import RolloutEngine, SamplingParams, Sequence
+from workers.sandbox.bwrap import Limits, require_bwrap, run_python
 
 
 class Workflow:
@@ -57,7 +57,7 @@ SUM = re.compile(r"(\d+[-+*]\d+)=(-?\d+)")  # "17+6=23" in a worked solution
 
 
 class PythonTool(Workflow):
-    """The model writes `[code]`; the code runs in the sandbox (`workers/reward/sandbox.py`) and what it prints,
+    """The model writes `[code]`; the code runs in the sandbox (`workers/sandbox/bwrap.py`) and what it prints,
     or the value of its last expression, follows the call: `[17+6]23`. A failure replies `error`."""
 
     call_start = "["

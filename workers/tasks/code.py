@@ -7,7 +7,7 @@ The operations (add K, sub K, times K, square, negate, halve, mod K) are each on
 function applies them in the order the prompt names them. Every composition of two or three is one whose
 order matters: written backwards it is another function, and so is every other order that is, as the hidden
 tests tell (5 inputs, negatives and 0 among them). The verifier runs the completion against those tests in
-the sandbox (`workers/reward/code.py`: one execution per completion), so any program that computes the
+the sandbox (`workers/sandbox/code.py`: one execution per completion), so any program that computes the
 function passes, not only the worked one.
 
 The prompt is the specification alone. Measured with two input/output examples after it
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from functools import cache
 from typing import ClassVar
 
-from workers.reward.code import check_asserts
-from workers.reward.sandbox import Limits
+from workers.sandbox.bwrap import Limits
+from workers.sandbox.code import check_asserts
 from workers.tasks.base import EOS_TEXT, DemoRecipe, Problem, Task
 
 TEST_INPUTS = (-7, -2, 0, 5, 12)  # the hidden tests' inputs

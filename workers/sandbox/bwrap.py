@@ -14,7 +14,7 @@ When the caller is root, bwrap runs as `nobody` (65534): the code is an unprivil
 too, not host root in a user namespace (for which the kernel would not even count processes against
 RLIMIT_NPROC). prlimit sets CPU seconds, address space, processes, file size and open files before
 Python starts; the process count is per user namespace (Linux >= 5.14), so per execution. Where the host lets
-it make a cgroup (workers/reward/cgroup.py), all the memory of an execution together is bounded by
+it make a cgroup (workers/sandbox/cgroup.py), all the memory of an execution together is bounded by
 `limits.memory_mb` too, files held in memfds, tmpfs and shared memory included (which the address-space limit
 does not count): the kernel kills a process of it that would go over, and the execution is "memory". The caller
 reads stdout and stderr up to `limits.output_bytes` each. When the program ends, at the wall-clock limit
@@ -27,7 +27,7 @@ other ABIs' (`seccomp_filter`).
 Needs Linux >= 5.4 (pidfds) and bubblewrap >= 0.8 (--disable-userns, --size).
 
 Warm (the default; ASYNCRL_SANDBOX=cold for a bwrap per execution): the same sandbox, one per execution running
-at once in a process and kept for the process's life, holds a Python server (workers/reward/zygote.py) that
+at once in a process and kept for the process's life, holds a Python server (workers/sandbox/zygote.py) that
 forks each execution a child in fresh mount, pid, ipc, net and uts namespaces of its own, with its own
 /sandbox, /proc and working directory, no capabilities and the same rlimits: every property above holds
 between executions too, and an execution costs a fork instead of bwrap's set-up and Python's start-up
@@ -60,16 +60,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from workers.reward.cgroup import Cgroup
-from workers.reward.zygote import HEADER as FRAME
-from workers.reward.zygote import feed, write_frame
+from workers.sandbox.cgroup import Cgroup
+from workers.sandbox.zygote import HEADER as FRAME
+from workers.sandbox.zygote import feed, write_frame
 
 PACKAGE = "bubblewrap"  # Debian's (and Ubuntu's) package with /usr/bin/bwrap
 NOBODY = 65534  # the code's user inside the sandbox, and on the host when the caller is root
 PYTHONS = ("/usr/local/bin/python3", "/usr/bin/python3")  # the interpreter must live in the /usr the sandbox sees
 PRLIMIT = "/usr/bin/prlimit"  # util-linux: sets the rlimits, then execs Python
 SOURCE = "/sandbox/main.py"  # the program, read-only
-SERVER = "/sandbox/server.py"  # the warm server (workers/reward/zygote.py), hidden from each execution
+SERVER = "/sandbox/server.py"  # the warm server (workers/sandbox/zygote.py), hidden from each execution
 MODE_VARIABLE = "ASYNCRL_SANDBOX"  # 'cold': a bwrap of its own per execution; else warm (see `Zygote`)
 WORKDIR = "/sandbox/work"  # the program's working directory and HOME: the only writable place
 SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # links into /usr, or directories
@@ -337,7 +337,7 @@ class Sandbox:
 
 
 class Zygote:
-    """A warm server (workers/reward/zygote.py) in a sandbox built as a cold one is, with CAP_SYS_ADMIN in its own
+    """A warm server (workers/sandbox/zygote.py) in a sandbox built as a cold one is, with CAP_SYS_ADMIN in its own
     user namespace: for each execution it forks a child that takes fresh mount, pid, ipc, net and uts namespaces,
     its own /sandbox and working directory, and drops every capability before the program runs. An execution
     costs a fork instead of bwrap's set-up and Python's start-up; one at a time per server."""
@@ -549,7 +549,7 @@ def system_binds() -> list[str]:
 
 def bwrap_command(bwrap: str, python: str, limits: Limits, program: int, info: int, warm: bool = False) -> list[str]:
     """The bwrap command line: namespaces, file system, environment, then prlimit and Python; or, `warm`, the warm
-    server (workers/reward/zygote.py) as `program`, with the one capability it needs to isolate executions."""
+    server (workers/sandbox/zygote.py) as `program`, with the one capability it needs to isolate executions."""
     mb = 1024 * 1024
     cpu = max(1, math.ceil(limits.cpu_s))
     files = ["--dir", WORKDIR] if warm else ["--perms", "0700", "--size", str(limits.file_mb * mb), "--tmpfs", WORKDIR]

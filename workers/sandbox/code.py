@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from workers.reward.sandbox import Execution, Limits, run_python
+from workers.sandbox.bwrap import Execution, Limits, run_python
 
 LIMITS = Limits(cpu_s=2.0, wall_s=4.0, memory_mb=256, processes=8, file_mb=8, output_bytes=65536)
 BUDGET_S = 8.0  # wall clock for all stdin/stdout executions of one completion (below reward.timeout_s' default)
@@ -418,5 +418,5 @@ def code_reward(
 
 
 def partial_code_reward(prompt: str, completion: str, metadata: dict[str, str]) -> tuple[float, dict[str, str]]:
-    """`data.reward=workers.reward.code:partial_code_reward`: the share of the row's tests passed."""
+    """`data.reward=workers.sandbox.code:partial_code_reward`: the share of the row's tests passed."""
     return code_reward(prompt, completion, metadata, partial=True)

@@ -1,6 +1,6 @@
 """The warm sandbox's server: a Python that runs inside one bwrap sandbox and forks a fresh, isolated child per
 execution, so an execution skips bwrap's set-up and the interpreter's start-up. Standard library only: it
-runs under the sandbox's own /usr Python, which sees nothing of this project (workers/reward/sandbox.py hands
+runs under the sandbox's own /usr Python, which sees nothing of this project (workers/sandbox/bwrap.py hands
 it this file's text, as it hands a cold sandbox the program's).
 
 Its bwrap is the cold sandbox's (no network, read-only system, no home, run or working directory, its own
