@@ -9,6 +9,7 @@ file must read as safetensors and name its own version.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import time
@@ -16,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import ConfigError, load_config
-from schemas.config import DataConfig, RunConfig
+from schemas.config import DataConfig, RewardConfig, RunConfig
 from workers.evaluator.rows import file_rows, task_rows
-from workers.evaluator.scoring import EvalSettings, Evaluator, make_scorer, write_rows
+from workers.evaluator.scoring import EvalSettings, Evaluator, RewardCalls, write_rows
 from workers.rows import Row
 from workers.weights import WeightsError
 
@@ -53,8 +54,12 @@ def run_eval(args: argparse.Namespace) -> int:
     settings = eval_settings(args, run, task, reward)
     device, dtype = device_and_dtype(args, run)
     set_threads(args.threads or (run.rollout.threads if run else 1))
-    evaluator = build_evaluator(target, tensors, rows, make_scorer(reward, task), settings, device, dtype)
-    result = evaluator.evaluate(progress=not args.no_progress)
+    scorer = RewardCalls(reward, task, run.reward if run else RewardConfig())  # as the run's reward worker calls it
+    evaluator = build_evaluator(target, tensors, rows, scorer, settings, device, dtype)
+    try:
+        result = asyncio.run(evaluator.evaluate(progress=not args.no_progress))
+    finally:
+        scorer.close()
     provenance = {
         "model": target.model,
         "run": str(Path(args.run).resolve()) if run else None,
@@ -70,6 +75,8 @@ def run_eval(args: argparse.Namespace) -> int:
     }
     summary = {key: result.summary[key] for key in HEADLINE} | result.summary | provenance
     summary["wall_seconds"] = round(time.time() - started, 1)
+    if result.summary["failed"]:
+        print(f"asyncrl: evaluation given up: {result.summary['failed']}", file=sys.stderr)
     write_outputs(args, summary, result.rows)
     print(json.dumps(summary, indent=2))
     return 0
@@ -244,7 +251,13 @@ def set_threads(threads: int) -> None:
 
 
 def build_evaluator(
-    target: Target, tensors: dict | None, rows: list[Row], scorer, settings: EvalSettings, device: str, dtype: str
+    target: Target,
+    tensors: dict | None,
+    rows: list[Row],
+    scorer: RewardCalls,
+    settings: EvalSettings,
+    device: str,
+    dtype: str,
 ) -> Evaluator:
     from transformers import AutoTokenizer
 

@@ -4,7 +4,8 @@ The trainer's lines in `metrics.jsonl` drive everything: the bar shows them, eve
 `eval.every` steps that weight version is queued for the run's evaluator process
 (`workers.evaluator.worker`, which scores it on otherwise idle cores and appends an `eval` line
 tagged with the version: greedy accuracy as `heldout_accuracy`, pass@1/pass@k/maj@k when
-eval.k > 0; the rows under `eval/v<version>.jsonl`), and the report (summary.json,
+eval.k > 0; the rows under `eval/v<version>.jsonl`; an `eval_failed` line with the reason for a version it
+could not score: an evaluation never fails the run), and the report (summary.json,
 curves.png, TensorBoard) is built from the file alone, so it can be rebuilt for any run
 directory. With `telemetry.wandb_project` set, every line also goes to W&B as it is written.
 """
@@ -135,11 +136,17 @@ def reward_summary(lines: list[dict]) -> dict:
 
 
 def restart_exited(workers: list, codes: list[int | None], bar: tqdm) -> bool:
-    """Restart every worker that ended before its time; False once one has used up its restarts."""
+    """Restart every worker that ended before its time; False once one has used up its restarts (the evaluator's
+    failures cost the evaluation, never the run: the launcher notes its versions as failed at the end)."""
     for worker, code in zip(workers, codes, strict=True):
         # other workers end with 0 only when the final weights are out (or on a stop): done, not failed
         if code is not None and (code != 0 or worker.role == "trainer"):
             if worker.restarts >= MAX_RESTARTS:
+                if worker.role == "eval":
+                    if worker.restarts == MAX_RESTARTS:  # said once
+                        bar.write(failure_report(worker, code) + "\n    the run goes on without evaluation")
+                        worker.restarts += 1
+                    continue
                 bar.write(failure_report(worker, code))
                 return False
             bar.write(f"asyncrl: {worker.name} exited with {code}; restarting it")
@@ -242,7 +249,7 @@ def standing_lines(lines: list[dict]) -> list[dict]:
     for line in reversed(lines):
         if line["source"] == "resume":
             resumed_at = min(resumed_at, line["step"])
-        elif line["source"] in ("trainer", "eval") and line["step"] > resumed_at:
+        elif line["source"] in ("trainer", "eval", "eval_failed") and line["step"] > resumed_at:
             continue
         kept.append(line)
     kept.reverse()
@@ -278,6 +285,17 @@ def completion_length_summary(steps: list[dict]) -> dict[str, float]:
         "completion_len_p90": percentile(lengths, 90),
         "completion_len_max": max(lengths, default=0),
     }
+
+
+def eval_failure_summary(lines: list[dict]) -> dict:
+    """The reward's failed calls during evaluation, by kind (timeout, died, the exception's type, ...), and the
+    versions whose evaluation failed, with the reason."""
+    failures: dict[str, int] = {}
+    for line in lines:
+        for kind, count in line.get("reward_failures", {}).items() if line["source"] in ("eval", "eval_failed") else ():
+            failures[kind] = failures.get(kind, 0) + count
+    failed = [{"version": l["version"], "reason": l["reason"]} for l in lines if l["source"] == "eval_failed"]
+    return {"eval_failures": failures, "evals_failed": failed}
 
 
 def final_version(run_dir: Path) -> int | None:
@@ -323,6 +341,7 @@ def finish(
         "groups_dropped": last.get("groups_dropped", 0),
         "skipped_steps": last.get("skipped_steps", 0),
         **reward_summary(lines),
+        **eval_failure_summary(lines),
         "trained_tokens_per_s": last.get("tokens_per_s", 0.0),
         "resumed_from": [l["step"] for l in lines if l["source"] == "resume"],  # checkpoint steps, one per resume
         "wall_seconds": round(time.time() - started, 1),

@@ -30,6 +30,8 @@ STOP_ORDER = ("prompts", "rollout", "reward", "trainer")  # the trainer last: it
 # evaluator scores what it was asked for (`LocalRun.finish_evaluation`)
 BROKER_GONE_STOP_S = 5.0  # all workers at once: without a broker nothing flows, a delivery would wait 40 s
 EVAL_STALL_S = 600.0  # an evaluator that scores no queued version for this long once the workers stopped is stopped
+EVAL_MARGIN_S = 60.0  # past max_wall_s, the final evaluation is stopped (its versions noted as failed): a run with
+# max_wall_s ends within about max_wall_s + EVAL_MARGIN_S + the workers' stop (docs: Promises)
 
 
 def export_topics_quietly(config: RunConfig, run_dir: Path) -> None:
@@ -56,6 +58,7 @@ class LocalRun:
     evaluation: EvalRequests | None = None  # the evaluator process's queue; None without an evaluation set
     forks: ForkServer | None = None  # the process the workers are forked from
     metrics_offset: int = 0  # where the monitor starts reading metrics.jsonl: after a resumed run's earlier lines
+    started: float = field(default_factory=time.time)  # when `asyncrl run` started (max_wall_s counts from it)
 
     def start(self, stops: StopSignals, eval_rows: list | None, progress: bool) -> None:
         """The fork server on CPU (importing the workers' code meanwhile), the broker, the model and topics (config.yaml,
@@ -105,28 +108,47 @@ class LocalRun:
 
     def finish_evaluation(self) -> None:
         """Once the workers have stopped: the last step's version asked for, and the queue scored (every core is
-        the evaluator's now) before summary.json is written; an evaluator stalled for EVAL_STALL_S is stopped."""
+        the evaluator's now) before summary.json is written. An evaluator stalled for EVAL_STALL_S, or still
+        scoring EVAL_MARGIN_S past max_wall_s, is stopped; what it left unscored is noted as failed."""
         from pipeline import monitor
 
         version = monitor.final_version(self.run_dir)
         if version is not None and not any(w.role == "eval" for w in self.workers):
             self.start_evaluator()  # the run ended before the monitor saw its first step
         evaluator = next((w for w in self.workers if w.role == "eval"), None)
-        if evaluator is None or evaluator.process is None or evaluator.process.poll() is not None:  # none, or failed
+        if evaluator is None or evaluator.process is None:
             return
-        if version is not None:
+        if version is not None and evaluator.process.poll() is None:
             self.evaluation.ask(version, wait_s=0)
         self.evaluation.close()
         pending, progress_at = self.evaluation.pending(), time.monotonic()
-        if pending > 1:
+        if pending > 1 and evaluator.process.poll() is None:
             print(f"asyncrl: scoring the {pending} versions still queued for evaluation", file=sys.stderr)
+        deadline = self.started + self.config.max_wall_s + EVAL_MARGIN_S if self.config.max_wall_s else None
+        why = None
         while evaluator.process.poll() is None:
             if (left := self.evaluation.pending()) < pending:
                 pending, progress_at = left, time.monotonic()
-            elif time.monotonic() - progress_at > EVAL_STALL_S:
-                print(f"asyncrl: the evaluator scored nothing in {EVAL_STALL_S:.0f} s; stopping it", file=sys.stderr)
-                evaluator.stop()
-            time.sleep(0.05)
+            if time.monotonic() - progress_at > EVAL_STALL_S:
+                why = f"the evaluator scored nothing in {EVAL_STALL_S:.0f} s; stopped"
+            elif deadline is not None and time.time() > deadline:
+                why = f"the evaluator was still scoring {EVAL_MARGIN_S:.0f} s past max_wall_s; stopped"
+            else:
+                time.sleep(0.05)
+                continue
+            print(f"asyncrl: {why}", file=sys.stderr)
+            evaluator.stop()
+        self.note_unscored(
+            why or f"the evaluator ended (exit {evaluator.process.poll()}; its log: {evaluator.log_path})"
+        )
+
+    def note_unscored(self, reason: str) -> None:
+        """An `eval_failed` line for each version the evaluator left in its queue (summary.json lists them)."""
+        from workers.evaluator.worker import note_failed, queue_dir, queued, version_of
+
+        for request in queued(queue_dir(self.run_dir)):
+            note_failed(self.run_dir, version_of(request), f"not scored: {reason}")
+            request.unlink()
 
     def start_broker(self, stops: StopSignals) -> None:
         """The embedded broker on a free port. On a resume the run's topics and its groups' committed offsets
@@ -202,7 +224,7 @@ def run_locally(config: RunConfig, progress: bool, stops: StopSignals, resumed_f
         print(f"asyncrl: run directory {run_dir}{resumed}", file=sys.stderr)
         # before the broker and the model: a W&B problem (no login) shows at once; W&B gets the config as given
         wandb_stream = monitor.WandbStream(config, run_dir) if config.telemetry.wandb_project else None
-        run, stopped = LocalRun(config, run_dir, resumed_from), None
+        run, stopped = LocalRun(config, run_dir, resumed_from, started=started), None
         try:
             run.start(stops, eval_rows, progress)
             outcome = monitor.follow(

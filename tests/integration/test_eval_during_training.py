@@ -3,6 +3,7 @@ for are scored, each `eval` line tagged with its version, and the report (summar
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -33,7 +34,8 @@ def test_versions_asked_for_are_scored_by_the_evaluator_process_tagged_and_plott
     run_dir.mkdir()
     save_config(config, run_dir / "config.yaml")
     evaluator = Evaluator.for_config(config)
-    assert evaluator.score(evaluator.rows[0], "15.0") == (1.0, "15", "")  # the run's reward: math, not exact text
+    scores, _ = asyncio.run(evaluator.score.score_all([(evaluator.rows[0], "15.0")]))
+    assert scores == [(1.0, "15", "")]  # the run's reward: math, not exact text
     requests = EvalRequests(run_dir, runtime.weights_dir(config))
     requests.ask(0)  # what the launcher asks for before the workers start
     weights = unique_state_dict(evaluator.model)

@@ -3,8 +3,11 @@
 One evaluator for `asyncrl eval` (a model directory or a run's weight version) and for a run's
 evaluation during training (the monitor scores every `eval.every`-th version while the trainer
 goes on). Per row: one greedy completion and `k` samples at `temperature`, each scored by the
-verifier in this process (one that raises scores 0, its error kept in the row's output) and
-reduced to an answer key for majority voting (`workers.reward.functions.answer_key`).
+reward as the reward worker calls it (`RewardCalls`: its scoring processes, `reward.timeout_s` a
+call, its failure budget; a call that fails scores 0, its error kept in the row's output) and
+reduced to an answer key for majority voting (`workers.reward.functions.answer_key`). A reward
+that hangs or kills its process costs the call, never the evaluator; once more than
+`reward.max_failure_rate` of a window of calls failed, the evaluation is given up (`failed`).
 
 A completion is correct when its score reaches full credit (CORRECT_AT): pass@1, pass@k, maj@k
 and greedy accuracy all count correct completions, so pass@k >= pass@1 holds for any reward.
@@ -12,6 +15,7 @@ and greedy accuracy all count correct completions, so pass@k >= pass@1 holds for
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from collections import Counter
@@ -24,11 +28,13 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from schemas.config import RunConfig
+from schemas.config import RewardConfig, RunConfig
 from schemas.errors import ConfigError
 from workers.evaluator.rows import rows_for_config
 from workers.models import encode_prompt, load_causal_lm
 from workers.reward import functions
+from workers.reward.budget import RewardFailures
+from workers.reward.pool import InlineScoring, ScoringPool, scoring
 from workers.rollout.engine import Engine
 from workers.rollout.protocol import SamplingParams, check_request, generate_all
 from workers.rollout.workflow import call_token_of, generate_turns, load_workflow
@@ -38,6 +44,7 @@ from workers.weights import load_into, read_version
 
 CORRECT_AT = 1.0  # full credit: the built-in verifiers give 1.0 for a right answer, 0.0 otherwise
 EVAL_KEYS = ("n", "k", "pass_at_1", "pass_at_k", "maj_at_k", "length_p50", "length_p90")  # beside the accuracy
+NOT_SCORED = "not scored, the evaluation's failure budget is spent"  # a call left unmade once `failed`
 
 
 # ---- metrics: pure functions ----
@@ -103,11 +110,12 @@ class EvalSettings:
 
 @dataclass
 class EvalResult:
-    summary: dict  # `summarise`: n, k, greedy_accuracy, pass_at_1, pass_at_k, maj_at_k, length_p50, ...
+    summary: dict  # `summarise`: n, k, greedy_accuracy, ...; reward_calls, reward_failures (by kind), failed
     rows: list[dict] = field(default_factory=list)  # one per row: completions, scores, answers, lengths, errors
 
 
-Scorer = Callable[[Row, str], tuple[float, str, str]]  # (score, answer key, error or "")
+Score = tuple[float, str, str]  # (score, answer key, error or "")
+Scorer = Callable[[Row, str], Score]
 
 
 def make_scorer(reward: str, task: str) -> Scorer:
@@ -131,6 +139,68 @@ def make_scorer(reward: str, task: str) -> Scorer:
     return score
 
 
+class RewardCalls:
+    """The run's reward called as the reward worker calls it (`workers.reward.pool.scoring`: scoring processes of
+    its own, `reward.timeout_s` a call, spares for hung calls) under its failure budget, one per evaluation."""
+
+    def __init__(self, reward: str, task: str, config: RewardConfig):
+        try:
+            functions.load(reward, task)  # a ConfigError now rather than a failure in every call
+            self.key = functions.answer_key(reward, task)
+        except Exception as exc:  # a user's module that fails to import is as unusable as a missing one
+            raise ConfigError(f"reward {reward!r}: {exc if isinstance(exc, ValueError) else repr(exc)}") from None
+        self.reward, self.task, self.config = reward, task, config
+        self.pool: ScoringPool | InlineScoring | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the pool's: its processes are waited for on it
+
+    async def score_all(self, calls: list[tuple[Row, str]]) -> tuple[list[Score], RewardFailures]:
+        """Each (row, completion)'s score, answer key and error, and the calls' failures. Once more than
+        reward.max_failure_rate of a window of calls failed (`exceeded`), the calls left are not made: they
+        score 0 with NOT_SCORED."""
+        pool, config = self._pool(), self.config
+        failures = RewardFailures(config.max_failure_rate, config.failure_window)
+        calls_made = [
+            asyncio.ensure_future(pool.score(row.prompt, text, {**row.metadata, "answer": row.answer}))
+            for row, text in calls
+        ]
+        try:
+            for call in asyncio.as_completed(calls_made):
+                reward, details = await call
+                failures.record(details if reward is None else None)
+                if failures.exceeded:
+                    break
+        finally:  # the budget spent, or the evaluator stopping: no call goes on
+            for call in calls_made:
+                call.cancel()
+            await asyncio.gather(*calls_made, return_exceptions=True)
+        return [self._score(text, call) for (_, text), call in zip(calls, calls_made, strict=True)], failures
+
+    def _score(self, text: str, call: asyncio.Future) -> Score:
+        try:
+            answer = self.key(text)
+        except Exception:
+            answer = ""  # no answer to vote for; the reward still decides the score
+        if call.cancelled():
+            return 0.0, answer, NOT_SCORED
+        reward, details = call.result()
+        return (0.0, answer, details["error"]) if reward is None else (reward, answer, "")
+
+    def _pool(self) -> ScoringPool | InlineScoring:
+        """The scoring processes, made on the running loop (a pool waits on one loop only)."""
+        loop = asyncio.get_running_loop()
+        if self.loop is not loop:
+            self.close()
+            config = self.config
+            self.pool = scoring(self.reward, config.processes, config.timeout_s, self.task, config.max_processes)
+            self.loop = loop
+        return self.pool
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+        self.pool = self.loop = None
+
+
 class Evaluator:
     """Rows scored for a model as loaded or for any weight version: greedy, plus k samples when k > 0."""
 
@@ -139,7 +209,7 @@ class Evaluator:
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         rows: list[Row],
-        scorer: Scorer,
+        scorer: RewardCalls,
         settings: EvalSettings,
     ):
         self.model, self.tokenizer, self.rows, self.score, self.settings = model, tokenizer, rows, scorer, settings
@@ -168,15 +238,18 @@ class Evaluator:
         torch.set_num_threads(config.rollout.threads)
         model = load_causal_lm(config.model.path, config.model.dtype, config.model.device)
         tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-        return cls(model, tokenizer, rows, make_scorer(config.data.reward, config.data.task), settings)
+        scorer = RewardCalls(config.data.reward, config.data.task, config.reward)
+        return cls(model, tokenizer, rows, scorer, settings)
 
     def accuracy(self, weights: Path | None = None) -> float | None:
-        """Greedy accuracy of `weights` (a version file), or of the model as loaded; None if the file is gone."""
-        result = self.evaluate(weights)
-        return None if result is None else result.summary["greedy_accuracy"]
+        """Greedy accuracy of `weights` (a version file), or of the model as loaded; None if the file is gone or
+        the evaluation failed."""
+        result = asyncio.run(self.evaluate(weights))
+        return None if result is None or result.summary["failed"] else result.summary["greedy_accuracy"]
 
-    def evaluate(self, weights: Path | None = None, progress: bool = False) -> EvalResult | None:
-        """Every row scored under `weights` (a version file), or the model as loaded; None if the file is gone."""
+    async def evaluate(self, weights: Path | None = None, progress: bool = False) -> EvalResult | None:
+        """Every row scored under `weights` (a version file), or the model as loaded; None if the file is gone.
+        The summary's `failed` says why the evaluation was given up (its accuracies then stand for nothing)."""
         if weights is not None:
             try:
                 load_into(self.model, read_version(weights))
@@ -196,12 +269,23 @@ class Evaluator:
             tick = lambda done: bar.update(len(done))  # noqa: E731
             greedy = generate(engine, [prompts[i] for i in valid], greedy_params, on_finished=tick)
             sampled = generate(engine, [prompts[i] for i in valid for _ in range(s.k)], sample_params, on_finished=tick)
+        finished = [(i, seq) for j, i in enumerate(valid) for seq in (greedy[j], *sampled[j * s.k : (j + 1) * s.k])]
+        texts = [self.tokenizer.decode(seq.token_ids, skip_special_tokens=True) for _, seq in finished]
+        scores, failures = await self.score.score_all(
+            [(self.rows[i], text) for (i, _), text in zip(finished, texts, strict=True)]
+        )
+        completions = iter(zip(finished, texts, scores, strict=True))
         results: list[dict] = [{} for _ in self.rows]
         for i, error in refused.items():
             results[i] = self._refused(self.rows[i], error)
-        for j, i in enumerate(valid):
-            results[i] = self._row(self.rows[i], greedy[j], sampled[j * s.k : (j + 1) * s.k])
-        return EvalResult(summarise(results, s.k, s.temperature), results)
+        for i in valid:
+            results[i] = self._row(self.rows[i], [self._completion(*next(completions)) for _ in range(s.k + 1)])
+        summary = summarise(results, s.k, s.temperature) | {
+            "reward_calls": failures.calls,
+            "reward_failures": dict(failures.by_kind),
+            "failed": failures.verdict() if failures.exceeded else None,
+        }
+        return EvalResult(summary, results)
 
     def _stop(self) -> tuple[int, ...]:
         """EOS, and the workflow's call token: a call ends a turn, answered before the next."""
@@ -221,15 +305,15 @@ class Evaluator:
             prompts.append(ids)
         return prompts, refused
 
-    def _completion(self, row: Row, seq) -> tuple[str, float, str, int, bool, str]:
+    @staticmethod
+    def _completion(finished: tuple[int, object], text: str, score: Score) -> tuple[str, float, str, int, bool, str]:
         """(text, score, answer key, length in tokens, truncated, error) of one finished sequence."""
-        text = self.tokenizer.decode(seq.token_ids, skip_special_tokens=True)
-        score, answer, error = self.score(row, text)
-        return text, score, answer, len(seq.token_ids), seq.finish_reason == "length", error
+        (_, seq), (value, answer, error) = finished, score
+        return text, value, answer, len(seq.token_ids), seq.finish_reason == "length", error
 
-    def _row(self, row: Row, greedy, samples: list) -> dict:
+    def _row(self, row: Row, completions: list[tuple]) -> dict:
         """One row's output: the greedy completion, the k samples, their scores and answers, the vote."""
-        first, *rest = [self._completion(row, seq) for seq in (greedy, *samples)]
+        first, *rest = completions
         errors = [f"{'greedy' if j == 0 else f'sample {j - 1}'}: {c[5]}" for j, c in enumerate([first, *rest]) if c[5]]
         result = {
             "index": row.index,

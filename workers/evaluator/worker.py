@@ -9,9 +9,11 @@ no other process wants one: an evaluation takes (almost) nothing from the traine
 workers (docs: Decisions, the evaluator in the launcher); it falls behind instead and catches up when they wait, or once they
 have stopped (the launcher asks for the final version, then waits for the queue to empty; the
 evaluator then takes the normal policy back where it may: idle-class, it would wait behind any busy
-process on the machine). A version that cannot be scored is dropped with the reason in its log: it
+process on the machine). The reward is called as the reward worker calls it (scoring processes,
+`reward.timeout_s` a call, its failure budget: `scoring.RewardCalls`). A version that cannot be
+scored, or whose evaluation was given up, gets an `eval_failed` line with the reason instead: it
 costs a point of the curve, never the run. Its main thread scores: math-verify times itself with
-SIGALRM, which only the main thread may use.
+SIGALRM, which only the main thread may use (reward.processes=0).
 """
 
 from __future__ import annotations
@@ -108,19 +110,31 @@ class EvalRequests:
         return len(queued(self.queue)) + len(self.waiting)
 
 
-def score_version(run_dir: Path, evaluator, version: int, weights: Path | None) -> dict | None:
-    """Score `weights` (a version's file; None: the model as loaded) as version `version`: its `eval` line
-    appended to metrics.jsonl, its rows to eval/v<version>.jsonl. The line, or None when the file is gone."""
+def note_failed(run_dir: Path, version: int, reason: str, reward_failures: dict[str, int] | None = None) -> None:
+    """An `eval_failed` line in metrics.jsonl: version `version` has no accuracy, and why (summary.json lists
+    them, and counts the reward's failures by kind)."""
+    line = {"step": version, "version": version, "reason": reason, "reward_failures": reward_failures or {}}
+    runtime.MetricsWriter(run_dir / "metrics.jsonl", "eval_failed").write(**line)
+
+
+async def score_version(run_dir: Path, evaluator, version: int, weights: Path | None) -> dict | None:
+    """Score `weights` (a version's file; None: the model as loaded) as version `version`: its rows to
+    eval/v<version>.jsonl, its `eval` line appended to metrics.jsonl (`eval_failed` when the evaluation was given
+    up). The line, or None when the file is gone."""
     from workers.evaluator.scoring import EVAL_KEYS, write_rows
 
-    result = evaluator.evaluate(weights)
+    result = await evaluator.evaluate(weights)
     if result is None:
         return None
     summary = result.summary
+    write_rows(run_dir / "eval" / f"v{version:06d}.jsonl", result.rows)
+    if summary["failed"]:
+        note_failed(run_dir, version, summary["failed"], summary["reward_failures"])
+        return None
     line = {"step": version, "version": version, "heldout_accuracy": summary["greedy_accuracy"]}
     line |= {key: summary[key] for key in EVAL_KEYS if summary[key] is not None}
+    line |= {"reward_calls": summary["reward_calls"], "reward_failures": summary["reward_failures"]}
     runtime.MetricsWriter(run_dir / "metrics.jsonl", "eval").write(**line)
-    write_rows(run_dir / "eval" / f"v{version:06d}.jsonl", result.rows)
     return line
 
 
@@ -131,20 +145,24 @@ async def main(config: RunConfig, stop: asyncio.Event) -> None:
     lower_priority()  # the launcher starts it so; by hand, from here on
     run_dir, queue = runtime.run_dir(config), queue_dir(runtime.run_dir(config))
     evaluator = Evaluator.for_config(config)
-    while not stop.is_set():
-        done = (queue / DONE).exists()  # before the queue is read: every request was in before it
-        if done:  # the workers have stopped: the cores are its own now
-            restore_priority(os.getpid())
-        pending = queued(queue)
-        if pending:
-            request, version = pending[0], version_of(pending[0])
-            try:
-                score_version(run_dir, evaluator, version, None if request.name == BASE else request)
-            except Exception as exc:  # e.g. a file that is not this model's weights
-                print(f"asyncrl eval: version {version} not scored: {type(exc).__name__}: {exc}", flush=True)
-            request.unlink()
-        elif done:
-            return
-        else:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), POLL_S)
+    try:
+        while not stop.is_set():
+            done = (queue / DONE).exists()  # before the queue is read: every request was in before it
+            if done:  # the workers have stopped: the cores are its own now
+                restore_priority(os.getpid())
+            pending = queued(queue)
+            if pending:
+                request, version = pending[0], version_of(pending[0])
+                try:
+                    await score_version(run_dir, evaluator, version, None if request.name == BASE else request)
+                except Exception as exc:  # e.g. a file that is not this model's weights
+                    print(f"asyncrl eval: version {version} not scored: {type(exc).__name__}: {exc}", flush=True)
+                    note_failed(run_dir, version, f"not scored: {type(exc).__name__}: {exc}")
+                request.unlink()
+            elif done:
+                return
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), POLL_S)
+    finally:
+        evaluator.score.close()

@@ -4,6 +4,7 @@ its own: tests/integration)."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import os
@@ -53,8 +54,12 @@ def test_greedy_only_summary_has_no_sampled_numbers(demo_model_dir: Path, tmp_pa
     run_dir.mkdir()
     evaluator = Evaluator.for_config(config)  # the task's own rows: its held-out split
     assert len(evaluator.rows) == 6
-    base = score_version(run_dir, evaluator, 0, None)
-    assert set(base) == {"step", "version", "heldout_accuracy", "n", "k", "length_p50", "length_p90"}
+    base = asyncio.run(score_version(run_dir, evaluator, 0, None))
+    assert set(base) == {"step", "version", "heldout_accuracy", "n", "k", "length_p50", "length_p90"} | {
+        "reward_calls",
+        "reward_failures",
+    }
+    assert base["reward_calls"] == 6 and base["reward_failures"] == {}
     summary = monitor.finish(config, run_dir, "finished", time.time())
     assert summary["base_accuracy"] == base["heldout_accuracy"] and summary["final_accuracy"] is None  # no step
     assert "eval_k" not in summary and "final_pass_at_1" not in summary
@@ -77,7 +82,7 @@ def test_evaluation_scores_every_row_with_the_run_s_threads(demo_model_dir: Path
     run_dir.mkdir()
     evaluator = Evaluator.for_config(config)
     torch.set_num_threads(2)
-    assert score_version(run_dir, evaluator, 0, None)["version"] == 0
+    assert asyncio.run(score_version(run_dir, evaluator, 0, None))["version"] == 0
     rows = [json.loads(line) for line in (run_dir / "eval" / "v000000.jsonl").read_text().splitlines()]
     assert len(rows) == len(EVAL_ROWS) and [row["errors"] for row in rows] == [[]] * len(EVAL_ROWS)
     assert torch.get_num_threads() == config.rollout.threads
@@ -133,8 +138,6 @@ def test_a_version_that_cannot_be_scored_is_dropped_with_its_reason_and_the_next
     demo_model_dir: Path, tmp_path: Path, monkeypatch, capsys
 ) -> None:
     """The evaluator's loop in this process (this test's threads keep their priority)."""
-    import asyncio
-
     from workers.evaluator import worker as eval_worker
 
     monkeypatch.setattr(eval_worker, "lower_priority", lambda: None)
@@ -151,4 +154,6 @@ def test_a_version_that_cannot_be_scored_is_dropped_with_its_reason_and_the_next
     assert "asyncrl eval: version 1 not scored: SafetensorError" in capsys.readouterr().out
     lines, _ = monitor.read_metrics(run_dir / "metrics.jsonl")
     assert [line["version"] for line in lines if line["source"] == "eval"] == [2]
+    failed = [line for line in lines if line["source"] == "eval_failed"]
+    assert [line["version"] for line in failed] == [1] and "SafetensorError" in failed[0]["reason"]
     assert queued(queue) == []
