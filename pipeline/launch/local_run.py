@@ -61,8 +61,8 @@ class LocalRun:
     started: float = field(default_factory=time.time)  # when `asyncrl run` started (max_wall_s counts from it)
 
     def start(self, stops: StopSignals, eval_rows: list | None, progress: bool) -> None:
-        """The fork server on CPU (importing the workers' code meanwhile), the broker, the model and topics (config.yaml,
-        then `latest`), the evaluator's queue, asked first for the base model (a resumed run has it in
+        """The fork server on CPU (importing the workers' code meanwhile), the broker, the model and topics
+        (config.yaml), the evaluator's queue, asked first for the base model (a resumed run has it in
         metrics.jsonl), then the workers (the evaluator: `start_evaluator`)."""
         from pipeline import monitor
         from workers.evaluator.rows import NO_EVAL_SET
@@ -73,7 +73,6 @@ class LocalRun:
         if self.config.launcher.embedded_broker:  # `on_one_machine`: none given, or a config.yaml run again
             self.start_broker(stops)
         self.config, self.config_path = prepare(self.config, progress)
-        link_latest(self.run_dir)
         self.metrics_offset = monitor.note_start(self.run_dir, self.resumed_from)
         if eval_rows is not None:
             self.evaluation = EvalRequests(self.run_dir, runtime.weights_dir(self.config), self.resumed_from)
@@ -198,7 +197,9 @@ def run_pipeline(config: RunConfig, progress: bool = True, resumed_from: int | N
 def resume_pipeline(run_dir: Path, progress: bool = True) -> int:
     """`asyncrl run --resume RUN_DIR`: the run goes on from its newest checkpoint with its own config.yaml,
     directory, key, weights and metrics.jsonl; on the embedded broker its topics come back from its export.
-    Exit codes as `run_pipeline`; a finished run says so in one line and exits 0."""
+    Exit codes as `run_pipeline`; a finished run says so in one line and exits 0. The directory is named as
+    resolved (`runs/latest` is the newest run started, even one stopped before it had a checkpoint)."""
+    run_dir = run_dir.resolve()
     config, step = resumable(run_dir)
     if step >= config.trainer.steps:
         print(f"asyncrl: {run_dir} already finished (step {step} of {config.trainer.steps})", file=sys.stderr)
@@ -220,6 +221,7 @@ def run_locally(config: RunConfig, progress: bool, stops: StopSignals, resumed_f
     config = new_run_dir(config) if resumed_from is None else config
     run_dir = runtime.run_dir(config)
     with run_dir_lock(run_dir):  # a second launcher of this run (a --resume too early) stops here
+        link_latest(run_dir)  # from its start: `--resume runs/latest` after a stop in the warm-up finds this one
         resumed = "" if resumed_from is None else f", resumed from the checkpoint of step {resumed_from}"
         print(f"asyncrl: run directory {run_dir}{resumed}", file=sys.stderr)
         # before the broker and the model: a W&B problem (no login) shows at once; W&B gets the config as given
@@ -240,7 +242,7 @@ def run_locally(config: RunConfig, progress: bool, stops: StopSignals, resumed_f
             )
         except RunStopped as stop:
             stopped, outcome = stop, stop.outcome
-            before = "" if run.config_path else " before config.yaml was written (runs/latest left as it was)"
+            before = "" if run.config_path else " before config.yaml was written (nothing to resume: start it again)"
             print(f"asyncrl: {stop.reason}{before}; stopping every worker; run directory {run_dir}", file=sys.stderr)
         finally:
             stops.cleaning = True

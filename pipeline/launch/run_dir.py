@@ -17,7 +17,7 @@ from workers import runtime
 
 
 def new_run_dir(config: RunConfig) -> RunConfig:
-    """A fresh name `<name>-<time>` under runs_dir (linked as `latest` only once its config.yaml is written).
+    """A fresh name `<name>-<time>` under runs_dir (the launcher links it as `latest` at once).
     Another run's config.yaml run again names that run's weights directory: the new run gets its own. One of
     the user's choice must hold no weight versions: another run's would pass for this one's (the newest on
     disk is what `asyncrl export` and a resumed trainer take as the run's)."""
@@ -39,7 +39,8 @@ def new_run_dir(config: RunConfig) -> RunConfig:
 
 
 def link_latest(run_dir: Path) -> None:
-    """`<runs_dir>/latest` -> run_dir, replaced in one rename: it never names a run without its config.yaml."""
+    """`<runs_dir>/latest` -> run_dir, replaced in one rename: the newest run started, from its start (one stopped
+    in its warm-up has no config.yaml yet, and `--resume` says so rather than resume the run before it)."""
     link = run_dir.parent / f".latest-{os.getpid()}"
     link.unlink(missing_ok=True)
     link.symlink_to(run_dir.name)

@@ -262,20 +262,45 @@ def test_the_broker_s_death_fails_the_run_at_once(launch) -> None:
     assert "Traceback" not in run.stderr
 
 
-def test_ctrl_c_during_the_warm_up_is_one_line_and_keeps_latest(launch, tmp_path: Path) -> None:
+def earlier_run(tmp_path: Path) -> None:
+    """A run before this test's, named by `runs/latest`."""
     earlier = tmp_path / "runs" / "earlier"
     earlier.mkdir(parents=True)
     (earlier / "config.yaml").write_text("name: earlier\n")
     (tmp_path / "runs" / "latest").symlink_to("earlier")
+
+
+def stopped_in_the_warm_up(launch, signum: int) -> tuple[Launch, dict[int, str]]:
+    """A run stopped by `signum` to its process group while the launcher builds or warms up the model."""
     run = launch("model.warmup_steps=5000")
     run.wait_for(lambda: any((path / "model").exists() for path in run.new_dirs()), 120, "demo model")
     time.sleep(1)  # building or warming up the model, in the launcher itself
     processes = run.processes()
-    run.signal_group(signal.SIGINT)
-    assert run.process.wait(timeout=30) == 128 + signal.SIGINT
+    run.signal_group(signum)
+    assert run.process.wait(timeout=30) == 128 + signum
     assert not (run.run_dir / "config.yaml").exists()  # it was stopped before the model was ready
-    assert os.readlink(tmp_path / "runs" / "latest") == "earlier"
+    return run, processes
+
+
+def test_ctrl_c_during_the_warm_up_is_one_line_and_links_latest_to_the_stopped_run(launch, tmp_path: Path) -> None:
+    earlier_run(tmp_path)
+    run, processes = stopped_in_the_warm_up(launch, signal.SIGINT)
+    assert os.readlink(tmp_path / "runs" / "latest") == run.run_dir.name  # linked as the run directory was made
     assert "Traceback" not in run.stderr
     said = [line for line in run.stderr.splitlines() if "SIGINT received" in line]
     assert len(said) == 1 and str(run.run_dir) in said[0], run.stderr
+    assert alive(processes) == []
+
+
+def test_resume_of_latest_after_sigterm_in_the_warm_up_refuses_naming_the_stopped_run(launch, tmp_path: Path) -> None:
+    """`runs/latest` names the run just stopped, not the one before it: `--resume runs/latest` refuses in one line
+    that names that run and says why (nothing was written to resume from)."""
+    earlier_run(tmp_path)
+    run, processes = stopped_in_the_warm_up(launch, signal.SIGTERM)
+    assert "nothing to resume" in run.stderr
+    resume = [sys.executable, "-m", "pipeline.cli", "run", "--resume", str(tmp_path / "runs" / "latest")]
+    refused = subprocess.run(resume, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2, refused.stderr
+    [said] = refused.stderr.strip().splitlines()
+    assert str(run.run_dir) in said and "has no config.yaml" in said and "earlier" not in said
     assert alive(processes) == []

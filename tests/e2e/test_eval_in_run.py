@@ -58,3 +58,51 @@ def test_own_jsonl_run_evaluates_its_eval_source(broker, tmp_path: Path, unique_
     first_step = next(line["time"] for line in lines if line["source"] == "trainer")
     assert evals[0]["time"] > first_step  # it starts once the trainer has stepped: the workers' start-up is over
     assert sorted(path.name for path in (run_dir / "eval" / "queue").iterdir()) == ["done"]  # all of it scored
+
+
+@pytest.mark.parametrize(("reward", "kind"), [("hangs_on_marked", "timeout"), ("exits_on_marked", "died")])
+def test_a_reward_that_hangs_or_exits_during_evaluation_costs_calls_not_the_run(
+    broker, tmp_path: Path, unique_name, reward: str, kind: str
+) -> None:
+    """A quarter of the held-out rows make the reward hang, or end its process with os._exit: each such call
+    fails (its kind counted in summary.json), the evaluations stand, and the run finishes in its time."""
+    from pipeline.demo_model import build_model, build_tokenizer
+    from pipeline.launch.local_run import EVAL_MARGIN_S
+
+    model = tmp_path / "model"
+    build_model(model, build_tokenizer(model), seed=0)
+    rows = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(10, 30) for b in range(3)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:40]))
+    held_out = [row | {"misbehave": i % 4 == 0} for i, row in enumerate(rows[40:])]  # 5 of 20
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(row) + "\n" for row in held_out))
+    max_wall_s = 240
+    overrides = [
+        f"model.path={model}",
+        f"data.source={tmp_path / 'train.jsonl'}",
+        f"data.eval_source={tmp_path / 'eval.jsonl'}",
+        f"data.reward={Path(__file__).parents[1] / 'integration' / 'bad_rewards.py'}:{reward}",
+        "reward.timeout_s=2",
+        f"trainer.steps={STEPS}",
+        "trainer.batch_groups=2",
+        "data.n_samples=2",
+        "rollout.max_new_tokens=6",
+        f"eval.every={EVERY}",
+        f"max_wall_s={max_wall_s}",
+        f"runs_dir={tmp_path / 'runs'}",
+        f"broker.bootstrap={broker.bootstrap}",
+        f"broker.topic_prefix={unique_name('eval')}.",
+    ]
+    command = [sys.executable, "-m", "pipeline.cli", "run", *overrides, "--no-progress"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=max_wall_s + EVAL_MARGIN_S + 60)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_dir = (tmp_path / "runs" / "latest").resolve()
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["outcome"] == "finished" and summary["reason"] is None
+    assert summary["base_accuracy"] is not None and summary["final_accuracy"] is not None
+    assert summary["eval_failures"] == {kind: 5 * 3} and summary["evals_failed"] == []  # versions 0, 2, 4
+    assert summary["reward_failures"] == {}  # the training rows are not marked
+    assert summary["wall_seconds"] < max_wall_s + EVAL_MARGIN_S
+    rows = [json.loads(line) for line in (run_dir / "eval" / f"v{STEPS:06d}.jsonl").read_text().splitlines()]
+    assert [bool(row["errors"]) for row in rows] == [i % 4 == 0 for i in range(20)]
+    assert all(kind in row["errors"][0] for row in rows if row["errors"])  # 'timeout: ...', 'the ... died'

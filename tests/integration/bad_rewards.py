@@ -1,5 +1,7 @@
-"""Reward functions that fail, as `data.reward: bad_rewards:<name>` names them (the failure budget tests)."""
+"""Reward functions that fail, as `data.reward: bad_rewards:<name>` names them (the failure budget tests), and
+ones that misbehave on the rows marked `"misbehave": true` only (a run's held-out rows, in the evaluation tests)."""
 
+import os
 import time
 
 
@@ -14,3 +16,15 @@ def hangs(prompt: str, completion: str, metadata: dict[str, str]) -> float:
 
 def huge(prompt: str, completion: str, metadata: dict[str, str]) -> float:
     return 1e30
+
+
+def hangs_on_marked(prompt: str, completion: str, metadata: dict[str, str]) -> float:
+    if metadata.get("misbehave") == "true":
+        time.sleep(600)
+    return float(completion.strip() == metadata["answer"])
+
+
+def exits_on_marked(prompt: str, completion: str, metadata: dict[str, str]) -> float:
+    if metadata.get("misbehave") == "true":
+        os._exit(1)  # no exception, no cleanup: the process that called it is gone
+    return float(completion.strip() == metadata["answer"])
