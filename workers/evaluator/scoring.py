@@ -159,20 +159,26 @@ class RewardCalls:
         score 0 with NOT_SCORED."""
         pool, config = self._pool(), self.config
         failures = RewardFailures(config.max_failure_rate, config.failure_window)
+
+        def count(call: asyncio.Future) -> None:  # every call that ran, as it ends (before `wait` returns)
+            if not call.cancelled() and call.exception() is None:
+                reward, details = call.result()
+                failures.record(details if reward is None else None)
+
         calls_made = [
             asyncio.ensure_future(pool.score(row.prompt, text, {**row.metadata, "answer": row.answer}))
             for row, text in calls
         ]
+        for call in calls_made:
+            call.add_done_callback(count)
+        waiting = set(calls_made)
         try:
-            for call in asyncio.as_completed(calls_made):
-                reward, details = await call
-                failures.record(details if reward is None else None)
-                if failures.exceeded:
-                    break
+            while waiting and not failures.exceeded:
+                _, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         finally:  # the budget spent, or the evaluator stopping: no call goes on
-            for call in calls_made:
+            for call in waiting:
                 call.cancel()
-            await asyncio.gather(*calls_made, return_exceptions=True)
+            await asyncio.gather(*waiting, return_exceptions=True)
         return [self._score(text, call) for (_, text), call in zip(calls, calls_made, strict=True)], failures
 
     def _score(self, text: str, call: asyncio.Future) -> Score:

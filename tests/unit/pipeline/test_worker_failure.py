@@ -40,3 +40,16 @@ def test_a_worker_without_a_log_still_gets_its_one_line(tmp_path) -> None:
     report = monitor.failure_report(worker, -9)
 
     assert report.splitlines()[0] == "asyncrl: prompts-2 failed 10 times (exit -9): no exception line in its log"
+
+
+def test_an_evaluator_out_of_restarts_costs_the_evaluation_not_the_run(tmp_path) -> None:
+    log = tmp_path / "eval-0.stdout"
+    log.write_text(CRASH)
+    worker = WorkerProcess("eval", 0, tmp_path / "config.yaml", log, restarts=monitor.MAX_RESTARTS)
+    said = []
+
+    assert monitor.restart_exited([worker], [1], SimpleNamespace(write=said.append))
+    assert monitor.restart_exited([worker], [1], SimpleNamespace(write=said.append))  # polled again: said once
+
+    [report] = said
+    assert report.startswith("asyncrl: eval-0 failed") and report.endswith("the run goes on without evaluation")
