@@ -118,18 +118,29 @@ Score = tuple[float, str, str]  # (score, answer key, error or "")
 Scorer = Callable[[Row, str], Score]
 
 
-def make_scorer(reward: str, task: str) -> Scorer:
-    """The run's verifier and answer key as one call that never raises: a failure scores 0 with its error."""
+def loaded(reward: str, task: str) -> tuple[functions.RewardFn, functions.AnswerKey]:
+    """The verifier and its answer key; a ConfigError when the reward cannot be loaded."""
     try:
-        verifier, key = functions.load(reward, task), functions.answer_key(reward, task)
+        return functions.load(reward, task), functions.answer_key(reward, task)
     except Exception as exc:  # a user's module that fails to import is as unusable as a missing one
         raise ConfigError(f"reward {reward!r}: {exc if isinstance(exc, ValueError) else repr(exc)}") from None
 
+
+def answer_of(key: functions.AnswerKey, completion: str) -> str:
+    """The completion's answer for the vote; '' when the key cannot find one (the verifier still scores it)."""
+    try:
+        return key(completion)
+    except Exception:
+        return ""
+
+
+def make_scorer(reward: str, task: str) -> Scorer:
+    """The verifier and answer key as one call in this process that never raises (a failure scores 0 with its
+    error), for a caller that cannot wait on scoring processes (`asyncrl bench peer`'s TRL rewards)."""
+    verifier, key = loaded(reward, task)
+
     def score(row: Row, completion: str) -> tuple[float, str, str]:
-        try:
-            answer = key(completion)
-        except Exception:
-            answer = ""  # no answer to vote for; the verifier still decides the score
+        answer = answer_of(key, completion)
         try:
             value, _ = functions.normalise(verifier(row.prompt, completion, {**row.metadata, "answer": row.answer}))
         except Exception as exc:
@@ -144,11 +155,7 @@ class RewardCalls:
     its own, `reward.timeout_s` a call, spares for hung calls) under its failure budget, one per evaluation."""
 
     def __init__(self, reward: str, task: str, config: RewardConfig):
-        try:
-            functions.load(reward, task)  # a ConfigError now rather than a failure in every call
-            self.key = functions.answer_key(reward, task)
-        except Exception as exc:  # a user's module that fails to import is as unusable as a missing one
-            raise ConfigError(f"reward {reward!r}: {exc if isinstance(exc, ValueError) else repr(exc)}") from None
+        _, self.key = loaded(reward, task)  # a ConfigError now rather than a failure in every call
         self.reward, self.task, self.config = reward, task, config
         self.pool: ScoringPool | InlineScoring | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the pool's: its processes are waited for on it
@@ -182,10 +189,7 @@ class RewardCalls:
         return [self._score(text, call) for (_, text), call in zip(calls, calls_made, strict=True)], failures
 
     def _score(self, text: str, call: asyncio.Future) -> Score:
-        try:
-            answer = self.key(text)
-        except Exception:
-            answer = ""  # no answer to vote for; the reward still decides the score
+        answer = answer_of(self.key, text)
         if call.cancelled():
             return 0.0, answer, NOT_SCORED
         reward, details = call.result()
