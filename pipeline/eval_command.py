@@ -64,6 +64,7 @@ def run_eval(args: argparse.Namespace) -> int:
         "task": task,
         "template": settings.template,
         "max_new_tokens": settings.max_new_tokens,
+        "stop": list(settings.stop),
         "seed": settings.seed,
         "device": device,
         "dtype": dtype,
@@ -196,6 +197,8 @@ def eval_rows(args: argparse.Namespace, run: RunConfig | None) -> tuple[list[Row
         raise ConfigError("give --data FILE (JSONL or Parquet) or --task SPEC (its held-out split)")
     if args.max_rows < 0 or args.k < 0 or args.temperature <= 0:
         raise ConfigError("--max-rows and --k must be >= 0, --temperature > 0")
+    if args.stop is not None and not all(args.stop):
+        raise ConfigError("--stop needs a non-empty string")
     return (rows[: args.max_rows] if args.max_rows else rows), label
 
 
@@ -217,6 +220,7 @@ def eval_settings(args: argparse.Namespace, run: RunConfig | None, task: str, re
         seed=args.seed,
         max_batch=args.max_batch or (run.rollout.max_batch if run else 64),
         workflow=run.rollout.workflow if run else "",
+        stop=tuple(args.stop if args.stop is not None else (run.rollout.stop if run else ())),
     )
 
 

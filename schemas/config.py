@@ -105,6 +105,13 @@ class RolloutConfig(Section):
     max_new_tokens: Annotated[
         Annotated[int, msgspec.Meta(ge=1)] | Auto, doc("completion length limit; auto = the task's default")
     ] = AUTO
+    stop: Annotated[
+        tuple[Annotated[str, msgspec.Meta(min_length=1)], ...],
+        doc(
+            "stop strings: a completion ends with the token completing one, kept; the model's end-of-sequence ids "
+            "always stop (docs: Evaluation and export)"
+        ),
+    ] = ()
     interrupt: Annotated[bool, doc("interrupt in-flight sequences when new weights arrive")] = True
     cache_lag: Annotated[
         Annotated[int, msgspec.Meta(ge=0)] | Auto,

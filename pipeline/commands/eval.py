@@ -59,6 +59,13 @@ def add_sampling_options(evaluate: argparse.ArgumentParser) -> None:
         help="completion limit (default: the run's, else the task's with --task, else 512)",
     )
     evaluate.add_argument(
+        "--stop",
+        action="append",
+        metavar="TEXT",
+        help="a stop string: a completion ends with the token completing it; repeat for more (default: the run's "
+        "rollout.stop); the model's end-of-sequence tokens always stop",
+    )
+    evaluate.add_argument(
         "--seed", type=int, default=0, help="sampling seed; also the task split's without --run (default: 0)"
     )
 

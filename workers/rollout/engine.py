@@ -50,7 +50,7 @@ import torch
 
 from workers.models import avoid_cudnn_attention
 from workers.rollout.forward import Batch, Chunk, make_forward
-from workers.rollout.protocol import EngineStats, SamplingParams, Sequence, check_request
+from workers.rollout.protocol import EngineStats, SamplingParams, Sequence, check_request, stop_cut
 from workers.rollout.sampling import SlotSampling
 from workers.weights import WeightsFile, load_into, read_verified
 
@@ -117,10 +117,13 @@ class Engine:
         max_prefill_tokens: int = 16384,
         forward: str = "auto",
         cache_lag: int = 0,
+        tokenizer=None,
     ):
         """`cache_lag`: versions a running sequence's cache may lag the weights before an update recomputes it
-        (`update_weights`)."""
+        (`update_weights`); `tokenizer`: decodes completions' tails for stop strings (without one, requests with
+        `stop` are refused)."""
         self.model = model.eval()
+        self.tokenizer = tokenizer
         self.cache_lag = cache_lag
         self.device = next(model.parameters()).device
         avoid_cudnn_attention(self.device)  # every decode step has a new span
@@ -156,7 +159,7 @@ class Engine:
 
     def submit(self, key: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request; it joins the batch at the next step with room."""
-        check_request(prompt_ids, params, self.max_len, self.vocab)
+        check_request(prompt_ids, params, self.max_len, self.vocab, self.tokenizer)
         if any(s.key == key for s in self.running()):
             raise ValueError(f"sequence {key!r} is already in the engine")
         seq = Sequence(key, list(prompt_ids), params)
@@ -185,10 +188,13 @@ class Engine:
         tokens, logprobs = self._sample(logits)  # [B], [B]
         self.generated_tokens += len(self.slots)
         for seq, tok, lp in zip(self.slots, tokens.tolist(), logprobs.tolist(), strict=True):
+            stopped = tok in seq.params.stop_token_ids or stop_cut(
+                seq.token_ids, [tok], seq.params.stop, self.tokenizer
+            )
             seq.token_ids.append(tok)
             seq.logprobs.append(lp)
             seq.versions.append(self.version)
-            if tok in seq.params.stop_token_ids:
+            if stopped:
                 seq.finish_reason = "stop"
             elif len(seq.token_ids) >= seq.params.max_new_tokens or (self.max_len and len(seq) >= self.max_len):
                 seq.finish_reason = "length"

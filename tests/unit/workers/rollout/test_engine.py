@@ -25,7 +25,7 @@ from workers.rollout import engine as engine_module
 from workers.rollout import forward as forward_module
 from workers.rollout.engine import Engine
 from workers.rollout.forward import DirectForward, HFForward
-from workers.rollout.protocol import SamplingParams, generate_all
+from workers.rollout.protocol import SamplingParams, generate_all, stop_cut
 from workers.weights import WeightsFile, write_version
 
 torch.set_num_threads(1)
@@ -586,3 +586,55 @@ def test_finish_reasons_and_max_batch(model, forward):
         engine.submit("bad", [1], SamplingParams(top_p=0.0))
     with pytest.raises(ValueError):
         engine.submit("bad", [1], SamplingParams(top_k=-1))
+
+
+class WordTokenizer:
+    """A tokenizer for the 16-token test models: token i is WORDS[i], of one to three characters (some ending
+    inside what a stop string spans)."""
+
+    WORDS = ("a", "bc", "d", "ef", "g", "hij", "k", "l", "mn", "o", "pq", "r", "st", "u", "vw", "xyz")
+
+    def __init__(self):
+        self.decoded = []  # the length of every id list decoded
+
+    def decode(self, ids: list[int]) -> str:
+        self.decoded.append(len(ids))
+        return "".join(self.WORDS[i] for i in ids)
+
+
+def first_completing(tokens: list[int], stop: str) -> int:
+    """Tokens a completion keeps under `stop`: up to the first whose text completes it (decoding it all)."""
+    words = WordTokenizer()
+    return next(n for n in range(1, len(tokens) + 1) if stop in words.decode(tokens[:n]))
+
+
+@pytest.mark.parametrize("start,end", [(4, 6), (0, 1), (2, 9)])
+def test_stop_cut_keeps_tokens_up_to_the_one_completing_a_stop_string(start, end):
+    tokens = [7, 1, 12, 5, 15, 3, 9, 14, 2, 11]  # "l bc st hij xyz ef o vw d r"
+    text = "".join(WordTokenizer.WORDS[i] for i in tokens)
+    stop = text[start:end]
+    want = first_completing(tokens, stop)
+    words = WordTokenizer()
+    cuts = [stop_cut(tokens[:n], [tokens[n]], (stop, "nowhere"), words) for n in range(len(tokens))]
+    assert cuts[:want] == [None] * (want - 1) + [1]  # the engine checks after every token: the first one counts
+    if want > 2:  # several new tokens at once (vLLM's outputs), after two without it
+        assert stop_cut(tokens[:2], tokens[2:], ("nowhere", stop), WordTokenizer()) == want - 2
+    assert max(words.decoded) == len("nowhere") + 1  # a tail only: the longest stop string's bytes, plus one
+
+
+def test_stop_strings_end_a_sequence_keeping_the_stop_string(model, forward):
+    words = WordTokenizer()
+    free = generate_all(Engine(model, forward=forward), [PROMPTS[1]], GREEDY)[0].token_ids
+    text = words.decode(free)
+    stop = text[len(words.decode(free[:5])) - 1 :][:3]  # from the last letter of the 5th token: across tokens
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, stop=(stop,))
+    engine = Engine(model, forward=forward, tokenizer=words)
+    stopped, other = generate_all(engine, [PROMPTS[1], PROMPTS[0]], params)
+    keep = first_completing(free, stop)
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free[:keep] and stop in words.decode(free[:keep])
+    assert len(stopped.logprobs) == len(stopped.versions) == keep
+    assert other.finish_reason == "stop" or stop not in words.decode(other.token_ids)
+    with pytest.raises(ValueError, match="tokenizer"):
+        Engine(model, forward=forward).submit("no tokenizer", PROMPTS[0], params)
+    with pytest.raises(ValueError, match="non-empty"):
+        engine.submit("empty", PROMPTS[0], SamplingParams(stop=("",)))
