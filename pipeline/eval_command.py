@@ -61,7 +61,7 @@ def run_eval(args: argparse.Namespace) -> int:
         "version": target.version,
         "data": data,
         "reward": reward,
-        "task": task,
+        "task": task if args.task or reward == "builtin" else None,  # what the rows and verifier came from, if a task
         "template": settings.template,
         "max_new_tokens": settings.max_new_tokens,
         "stop": list(settings.stop),
