@@ -69,8 +69,8 @@ class DataConfig(Section):
     reward: Annotated[
         str,
         doc(
-            "'builtin' (the task's verifier), 'math' (math-verify), 'code' (the row's tests in the sandbox), or your "
-            "own function as path/to/file.py:fn or module:fn (docs: Tasks and rewards)"
+            "'builtin' (the task's verifier), 'math' (math-verify), 'math-strict' (the boxed or last stated number "
+            "only), 'code' (the row's tests), or path/to/file.py:fn or module:fn (docs: Tasks and rewards)"
         ),
     ] = "builtin"
     eval_source: Annotated[
@@ -398,14 +398,14 @@ class RunConfig(Section):
     def __post_init__(self) -> None:
         if "/" in self.name or self.name in {".", "..", "latest"}:
             raise ValueError(f"name {self.name!r} must be a plain directory name other than 'latest'")
-        if self.data.reward not in {"builtin", "math", "code"} and ":" not in self.data.reward:
+        if self.data.reward not in {"builtin", "math", "math-strict", "code"} and ":" not in self.data.reward:
             raise ValueError(
-                f"data.reward {self.data.reward!r}: use builtin, math, code, path/to/file.py:function "
+                f"data.reward {self.data.reward!r}: use builtin, math, math-strict, code, path/to/file.py:function "
                 "or module:function"
             )
         if self.data.source != "builtin" and self.data.reward == "builtin":
             raise ValueError(
-                "data.reward 'builtin' verifies the built-in task only; use 'math', 'code' or 'module:function'"
+                "data.reward 'builtin' verifies the built-in task only; use 'math', 'math-strict', 'code' or 'module:function'"
             )
         if self.data.source != "builtin" and not self.model.path:
             raise ValueError(

@@ -40,8 +40,8 @@ def add_source_options(evaluate: argparse.ArgumentParser) -> None:
     )
     evaluate.add_argument(
         "--reward",
-        help="'builtin', 'math' or 'module:function' (default: the run's data.reward, else builtin with --task, "
-        "math with --data)",
+        help="'builtin', 'math', 'math-strict' (the boxed or last stated number only), 'code' or 'module:function' "
+        "(default: the run's data.reward, else builtin with --task, math with --data)",
     )
     evaluate.add_argument("--max-rows", type=int, default=0, help="the first N rows only (default: all)")
     evaluate.add_argument("--held-out", type=int, help="--task: size of the held-out split (default: the run's, 200)")
