@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -96,7 +97,7 @@ def prepare(config: RunConfig, progress: bool = True, deployment: bool = False) 
     join their consumer groups (`launcher.sole_consumers` false), whatever the config it was prepared from says.
     Returns the resolved config and its path.
     """
-    from pipeline.preflight import check_workflow, preflight
+    from pipeline.preflight import check_workflow, learning_rate_warning, preflight
     from topics.admin import BrokerUnreachable, ensure_topics
     from workers.announce import create_key
 
@@ -113,6 +114,8 @@ def prepare(config: RunConfig, progress: bool = True, deployment: bool = False) 
         )
     config = resolve(config)  # the task's defaults (warm-up steps) before the demo model is built
     check_workflow(config)
+    if warning := learning_rate_warning(config, run_dir / "model"):
+        print(warning, file=sys.stderr)
     if not config.model.path:
         from pipeline.demo_model import prepare_demo_model
         from workers.rollout.workflow import load_workflow
