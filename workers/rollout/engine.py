@@ -2,8 +2,8 @@
 
 Continuous batching over a preallocated slot KV cache, on CPU or CUDA (the model's device):
 
-    kv    : [2, layers, slots, kv_heads, capacity, head_dim], keys and values of every slot,
-            allocated once (it grows, copying, only when a request needs a longer slot)
+    kv    : [2, layers, rows, kv_heads, capacity, head_dim], keys and values of every slot, sized
+            by the sequences admitted (it grows, copying, when more slots or a longer budget need it)
     slots : the running sequences; sequence i lives in slot i, and slots stay a dense prefix
 
 Slot invariant: at a step boundary slot i's cache holds every token of its sequence but
@@ -54,7 +54,8 @@ from workers.rollout.protocol import EngineStats, SamplingParams, Sequence, chec
 from workers.rollout.sampling import SlotSampling
 from workers.weights import WeightsFile, load_into, read_verified
 
-CAPACITY_STEP = 64  # slot capacity grows in multiples of this
+CAPACITY_STEP = 64  # slot capacity (positions) grows in multiples of this
+SLOT_STEP = 8  # the cache's slot rows grow in multiples of this, up to max_batch
 PREFILL_SPREAD = 1.5  # a prefill chunk's longest row is at most this times its shortest (`prefill_cut`)
 RUN_BLOCK = 4  # decode rows are cut into attention runs at multiples of this many slots (`decode_runs`)
 SORT_WASTE = 1.6  # decoding slots are sorted again once blocks of them would attend this times their own columns
@@ -139,7 +140,7 @@ class Engine:
             getattr(config, "num_key_value_heads", None) or heads,
             getattr(config, "head_dim", None) or config.hidden_size // heads,
         )
-        self.kv: torch.Tensor | None = None  # [2, layers, max_batch, Hkv, C, D], allocated on first admission
+        self.kv: torch.Tensor | None = None  # [2, layers, rows, Hkv, C, D], rows >= the slots (`_reserve`)
         self.version = version
         self.generator = None
         if seed is not None:
@@ -294,30 +295,40 @@ class Engine:
         if room <= 0 or not self.waiting:
             return
         new = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
-        self._reserve(max(len(s.prompt_ids) + s.params.max_new_tokens for s in new))
         end = len(self.slots) - len(self.leads)  # the followers stay last
         self.slots[self.decoding : end] = sorted(self.slots[self.decoding : end] + new, key=len, reverse=True)
         self.slots_changed = True
+        self._reserve()
 
-    def _reserve(self, need: int) -> None:
-        """Make every slot hold `need` positions (capped at the model's), keeping what is cached."""
+    def _reserve(self) -> None:
+        """Make the cache hold every slot's whole budget (prompt + max_new_tokens, capped at the model's length),
+        keeping what is cached.
+
+        Sized by the sequences admitted, not by a worst case of max_batch slots: rows for the slots in use (in
+        multiples of SLOT_STEP, doubling as more are admitted, up to max_batch), positions for the longest
+        budget among them (in multiples of CAPACITY_STEP). Growing copies the cache once, so a batch submitted at
+        once (`generate_all`, longest first) allocates it once.
+        """
+        rows = len(self.slots)
+        need = max(len(seq.prompt_ids) + seq.params.max_new_tokens for seq in self.slots)
+        need = math.ceil(need / CAPACITY_STEP) * CAPACITY_STEP
         if self.max_len is not None:
             need = min(need, self.max_len)
-        capacity = 0 if self.kv is None else self.kv.shape[-2]
-        if need <= capacity:
+        have_rows, have = (0, 0) if self.kv is None else (self.kv.shape[2], self.kv.shape[-2])
+        if rows <= have_rows and need <= have:
             return
-        capacity = max(need, 2 * capacity)
-        capacity = math.ceil(capacity / CAPACITY_STEP) * CAPACITY_STEP
-        if self.max_len is not None:
-            capacity = min(capacity, self.max_len)
+        if rows > have_rows:
+            rows = min(max(math.ceil(rows / SLOT_STEP) * SLOT_STEP, 2 * have_rows), self.max_batch)
+        rows, capacity = max(rows, have_rows), max(need, have)
         layers, kv_heads, head_dim = self.kv_shape
         kv = torch.zeros(
-            2, layers, self.max_batch, kv_heads, capacity, head_dim, dtype=self.model.dtype, device=self.device
+            2, layers, rows, kv_heads, capacity, head_dim, dtype=self.model.dtype, device=self.device
         )  # [2, layers, slots, Hkv, C, D]
         if self.kv is not None:
-            kv[..., : self.kv.shape[-2], :] = self.kv
+            kv[:, :, :have_rows, :, :have] = self.kv
         self.kv = kv
-        self.forward.reserve(capacity)
+        if capacity > have:
+            self.forward.reserve(capacity)
 
     def _free(self, i: int) -> None:
         """Retire the sequence in slot i, keeping the slots dense and the slot invariant.

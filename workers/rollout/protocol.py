@@ -156,10 +156,13 @@ def generate_all(
     on_finished: Callable[[list[Sequence]], None] | None = None,
 ) -> list[Sequence]:
     """Run a whole batch to completion on an idle engine (evaluation, tests); results in prompt order.
-    `on_finished` sees each step's finished sequences (a progress bar)."""
+    `on_finished` sees each step's finished sequences (a progress bar). The longest prompts are submitted first:
+    the torch engine's first admission then sizes its cache for the whole batch."""
     if not engine.idle():
         raise RuntimeError("generate_all() needs an idle engine")
-    seqs = [engine.submit(f"generate/{i}", p, params) for i, p in enumerate(prompts)]
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # stable: equal lengths keep their order
+    submitted = {i: engine.submit(f"generate/{i}", prompts[i], params) for i in order}
+    seqs = [submitted[i] for i in range(len(prompts))]
     while not engine.idle():
         finished = engine.step()
         if on_finished is not None:

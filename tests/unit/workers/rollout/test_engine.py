@@ -638,3 +638,20 @@ def test_stop_strings_end_a_sequence_keeping_the_stop_string(model, forward):
         Engine(model, forward=forward).submit("no tokenizer", PROMPTS[0], params)
     with pytest.raises(ValueError, match="non-empty"):
         engine.submit("empty", PROMPTS[0], SamplingParams(stop=("",)))
+
+
+def test_the_cache_is_sized_by_the_sequences_admitted_not_a_worst_case(model, forward):
+    """Rows for the slots in use (multiples of 8, doubling), positions for the longest prompt + max_new_tokens among
+    them (multiples of 64): not max_batch slots; grown, keeping every cached token, when more or longer come."""
+    engine = Engine(model, max_batch=64, forward=forward)
+    short, long = (SamplingParams(temperature=0.0, max_new_tokens=n) for n in (40, 70))  # budgets of <= 47, 77
+    first = [engine.submit(f"a{i}", p, short) for i, p in enumerate(PROMPTS[:3])]
+    for _ in range(20):
+        engine.step()
+    assert tuple(engine.kv.shape[2::2]) == (8, 64)
+    later = [engine.submit(f"b{i}", p, long) for i, p in enumerate(PROMPTS * 3)]
+    while not engine.idle():
+        engine.step()
+    assert tuple(engine.kv.shape[2::2]) == (16, 128)  # 15 slots
+    for seq in first + later:
+        assert seq.token_ids == hf_greedy(model, seq.prompt_ids, seq.params.max_new_tokens)
