@@ -114,8 +114,6 @@ def prepare(config: RunConfig, progress: bool = True, deployment: bool = False) 
         )
     config = resolve(config)  # the task's defaults (warm-up steps) before the demo model is built
     check_workflow(config)
-    if warning := learning_rate_warning(config, run_dir / "model"):
-        print(warning, file=sys.stderr)
     if not config.model.path:
         from pipeline.demo_model import prepare_demo_model
         from workers.rollout.workflow import load_workflow
@@ -133,6 +131,8 @@ def prepare(config: RunConfig, progress: bool = True, deployment: bool = False) 
         config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=str(model_dir)))
     config = resolve(config)
     preflight(config)  # what would crash-loop the workers, as one line with the fix, before any starts
+    if warning := learning_rate_warning(config, run_dir / "model"):  # the demo model's own rate suits it
+        print(warning, file=sys.stderr)
     create_key(run_dir)  # once: the trainer signs every weight announcement with it (workers.announce)
     layout = runtime.topic_layout(config)  # every time: a broker may have lost its topics
     try:  # none without a broker: the in-process run's topics are in its memory
