@@ -1,6 +1,6 @@
 """Embedded PyTorch inference engine for the rollout worker: the scheduler of its slots.
 
-Continuous batching over a preallocated slot KV cache, on CPU or CUDA (the model's device):
+Continuous batching over a slot KV cache, on CPU or CUDA (the model's device):
 
     kv    : [2, layers, rows, kv_heads, capacity, head_dim], keys and values of every slot, sized
             by the sequences admitted (it grows, copying, when more slots or a longer budget need it)
