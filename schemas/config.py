@@ -99,6 +99,14 @@ class DataConfig(Section):
 class RolloutConfig(Section):
     workers: Annotated[int, doc("rollout worker processes started by `asyncrl run`", ge=1)] = 1
     max_batch: Annotated[int, doc("sequences decoded together by one engine", ge=1)] = 64
+    cache_mb: Annotated[
+        int,
+        doc(
+            "the most memory an engine's KV cache may take (torch engine, rollout and evaluation): fewer sequences "
+            "run at once where their budgets are long; 0 = no limit but max_batch",
+            ge=0,
+        ),
+    ] = 0
     temperature: Annotated[float, doc("sampling temperature (0 = greedy)", ge=0)] = 1.0
     top_p: Annotated[float, doc("nucleus sampling mass", gt=0, le=1)] = 1.0
     top_k: Annotated[int, doc("sample among the k most likely tokens; 0 = off", ge=0)] = 0

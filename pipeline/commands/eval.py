@@ -73,6 +73,12 @@ def add_sampling_options(evaluate: argparse.ArgumentParser) -> None:
 def add_machine_options(evaluate: argparse.ArgumentParser) -> None:
     """Where and how fast it decodes."""
     evaluate.add_argument("--max-batch", type=int, help="sequences decoded together (default: the run's, else 64)")
+    evaluate.add_argument(
+        "--cache-mb",
+        type=int,
+        help="the most memory the KV cache may take: fewer sequences at once where budgets are long (default: the "
+        "run's rollout.cache_mb, else 0 = no limit but --max-batch)",
+    )
     evaluate.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: the run's, else cuda when available)")
     evaluate.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="(default: by device)")
     evaluate.add_argument(

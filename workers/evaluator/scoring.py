@@ -97,6 +97,7 @@ class EvalSettings:
     system_prompt: str = ""
     seed: int = 0  # sampling
     max_batch: int = 64  # sequences the engine decodes together
+    cache_mb: int = 0  # rollout.cache_mb: the most the engine's KV cache may take (0: no limit but max_batch)
     workflow: str = ""  # rollout.workflow: calls are answered as in the run's rollouts ('' = one turn)
     threads: int = 0  # torch threads of the thread that evaluates (OpenMP's count is per thread); 0: as it is
     stop: tuple[str, ...] = ()  # rollout.stop: strings that end a completion, as in the run's rollouts
@@ -161,6 +162,7 @@ class Evaluator:
             system_prompt=config.data.system_prompt,
             seed=config.seed,
             max_batch=config.rollout.max_batch,
+            cache_mb=config.rollout.cache_mb,
             workflow=config.rollout.workflow,
             stop=tuple(config.rollout.stop),
             # the launcher's own process shares the cores with the workers: as few threads as a rollout worker
@@ -191,7 +193,7 @@ class Evaluator:
             s.temperature, max_new_tokens=s.max_new_tokens, stop_token_ids=self._stop(), stop=s.stop
         )
         greedy_params = replace(sample_params, temperature=0.0)
-        engine = Engine(self.model, max_batch=s.max_batch, seed=s.seed, tokenizer=self.tokenizer)
+        engine = Engine(self.model, max_batch=s.max_batch, seed=s.seed, tokenizer=self.tokenizer, cache_mb=s.cache_mb)
         prompts, refused = self._prompts(engine, greedy_params)
         valid = [i for i, ids in enumerate(prompts) if ids is not None]
         workflow = self.workflow

@@ -119,10 +119,12 @@ class Engine:
         forward: str = "auto",
         cache_lag: int = 0,
         tokenizer=None,
+        cache_mb: int = 0,
     ):
         """`cache_lag`: versions a running sequence's cache may lag the weights before an update recomputes it
         (`update_weights`); `tokenizer`: decodes completions' tails for stop strings (without one, requests with
-        `stop` are refused)."""
+        `stop` are refused); `cache_mb`: the most the KV cache may take (0: no limit but max_batch), fewer
+        sequences running at once where their budgets are long (`_admit`)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.cache_lag = cache_lag
@@ -141,6 +143,8 @@ class Engine:
             getattr(config, "head_dim", None) or config.hidden_size // heads,
         )
         self.kv: torch.Tensor | None = None  # [2, layers, rows, Hkv, C, D], rows >= the slots (`_reserve`)
+        position_bytes = 2 * math.prod(self.kv_shape) * model.dtype.itemsize  # one position of one slot, k and v
+        self.cache_positions = (cache_mb << 20) // position_bytes if cache_mb else None  # rows x C at most
         self.version = version
         self.generator = None
         if seed is not None:
@@ -294,32 +298,50 @@ class Engine:
         room = self.max_batch - len(self.slots)
         if room <= 0 or not self.waiting:
             return
-        new = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
+        new = []
+        while len(new) < room and self.waiting and self._fits([*new, self.waiting[0]]):
+            new.append(self.waiting.popleft())
+        if not new:
+            return
         end = len(self.slots) - len(self.leads)  # the followers stay last
         self.slots[self.decoding : end] = sorted(self.slots[self.decoding : end] + new, key=len, reverse=True)
         self.slots_changed = True
         self._reserve()
+
+    def _fits(self, new: list[Sequence]) -> bool:
+        """Whether the cache, with `new` admitted too, stays within `cache_mb`: rows for every slot (at least
+        those allocated) times the longest budget. A lone sequence always fits: the engine must make progress."""
+        if self.cache_positions is None or (not self.slots and len(new) == 1):
+            return True
+        rows = max(len(self.slots) + len(new), 0 if self.kv is None else self.kv.shape[2])
+        return rows * self._capacity(self.slots + new) <= self.cache_positions
+
+    def _capacity(self, seqs: list[Sequence]) -> int:
+        """Cache positions `seqs` need: their longest prompt + max_new_tokens, in multiples of CAPACITY_STEP, at
+        most the model's length (and never less than the cache has)."""
+        need = max(len(seq.prompt_ids) + seq.params.max_new_tokens for seq in seqs)
+        need = math.ceil(need / CAPACITY_STEP) * CAPACITY_STEP
+        if self.max_len is not None:
+            need = min(need, self.max_len)
+        return max(need, 0 if self.kv is None else self.kv.shape[-2])
 
     def _reserve(self) -> None:
         """Make the cache hold every slot's whole budget (prompt + max_new_tokens, capped at the model's length),
         keeping what is cached.
 
         Sized by the sequences admitted, not by a worst case of max_batch slots: rows for the slots in use (in
-        multiples of SLOT_STEP, doubling as more are admitted, up to max_batch), positions for the longest
-        budget among them (in multiples of CAPACITY_STEP). Growing copies the cache once, so a batch submitted at
-        once (`generate_all`, longest first) allocates it once.
+        multiples of SLOT_STEP, doubling as more are admitted, up to max_batch and what `cache_mb` allows),
+        positions for the longest budget among them (`_capacity`). Growing copies the cache once, so a batch
+        submitted at once (`generate_all`, longest first) allocates it once.
         """
-        rows = len(self.slots)
-        need = max(len(seq.prompt_ids) + seq.params.max_new_tokens for seq in self.slots)
-        need = math.ceil(need / CAPACITY_STEP) * CAPACITY_STEP
-        if self.max_len is not None:
-            need = min(need, self.max_len)
+        rows, capacity = len(self.slots), self._capacity(self.slots)
         have_rows, have = (0, 0) if self.kv is None else (self.kv.shape[2], self.kv.shape[-2])
-        if rows <= have_rows and need <= have:
+        if rows <= have_rows and capacity <= have:
             return
         if rows > have_rows:
-            rows = min(max(math.ceil(rows / SLOT_STEP) * SLOT_STEP, 2 * have_rows), self.max_batch)
-        rows, capacity = max(rows, have_rows), max(need, have)
+            most = self.max_batch if self.cache_positions is None else self.cache_positions // capacity
+            rows = max(rows, min(max(math.ceil(rows / SLOT_STEP) * SLOT_STEP, 2 * have_rows), self.max_batch, most))
+        rows = max(rows, have_rows)
         layers, kv_heads, head_dim = self.kv_shape
         kv = torch.zeros(
             2, layers, rows, kv_heads, capacity, head_dim, dtype=self.model.dtype, device=self.device

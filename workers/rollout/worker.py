@@ -87,6 +87,7 @@ def make_engine(config: RunConfig) -> RolloutEngine:
         seed=config.seed,
         cache_lag=config.rollout.cache_lag,
         tokenizer=AutoTokenizer.from_pretrained(config.model.path),
+        cache_mb=config.rollout.cache_mb,
     )
 
 

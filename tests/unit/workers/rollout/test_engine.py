@@ -655,3 +655,26 @@ def test_the_cache_is_sized_by_the_sequences_admitted_not_a_worst_case(model, fo
     assert tuple(engine.kv.shape[2::2]) == (16, 128)  # 15 slots
     for seq in first + later:
         assert seq.token_ids == hf_greedy(model, seq.prompt_ids, seq.params.max_new_tokens)
+
+
+def test_cache_mb_runs_fewer_sequences_at_once_and_keeps_the_cache_within_it(model, forward):
+    """1 MB holds 32 slots of 64 positions of this model: 32 run at once, never more cache than that, each as it
+    would alone; a lone sequence needing more than the budget still runs."""
+    engine = Engine(model, max_batch=64, forward=forward, cache_mb=1)
+    layers, kv_heads, head_dim = engine.kv_shape
+    positions = (1 << 20) // (2 * layers * kv_heads * head_dim * 4)  # float32 keys and values
+    assert engine.cache_positions == positions == 32 * 64
+    params = SamplingParams(temperature=0.0, max_new_tokens=40)  # budgets of <= 47: 64 positions each
+    seqs = [engine.submit(f"s{i}", PROMPTS[i % 4], params) for i in range(37)]
+    most = 0
+    while not engine.idle():
+        engine.step()
+        most = max(most, len(engine.slots))
+        assert engine.kv.shape[2] * engine.kv.shape[-2] <= positions
+    assert most == 32
+    for seq in seqs:
+        assert seq.token_ids == hf_greedy(model, seq.prompt_ids, 40)
+    lone = Engine(model, forward=forward, cache_mb=1)
+    lone.cache_positions = 64  # a budget below one sequence's 128 positions
+    long = generate_all(lone, [PROMPTS[1], PROMPTS[0]], SamplingParams(temperature=0.0, max_new_tokens=100))
+    assert [len(seq.token_ids) for seq in long] == [100, 100] and lone.kv.shape[2] == 1  # one at a time
