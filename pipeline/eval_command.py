@@ -66,9 +66,10 @@ def run_eval(args: argparse.Namespace) -> int:
         "version": target.version,
         "data": data,
         "reward": reward,
-        "task": task,
+        "task": task if args.task or reward == "builtin" else None,  # what the rows and verifier came from, if a task
         "template": settings.template,
         "max_new_tokens": settings.max_new_tokens,
+        "stop": list(settings.stop),
         "seed": settings.seed,
         "device": device,
         "dtype": dtype,
@@ -203,6 +204,10 @@ def eval_rows(args: argparse.Namespace, run: RunConfig | None) -> tuple[list[Row
         raise ConfigError("give --data FILE (JSONL or Parquet) or --task SPEC (its held-out split)")
     if args.max_rows < 0 or args.k < 0 or args.temperature <= 0:
         raise ConfigError("--max-rows and --k must be >= 0, --temperature > 0")
+    if args.cache_mb is not None and args.cache_mb < 0:
+        raise ConfigError("--cache-mb must be >= 0")
+    if args.stop is not None and not all(args.stop):
+        raise ConfigError("--stop needs a non-empty string")
     return (rows[: args.max_rows] if args.max_rows else rows), label
 
 
@@ -223,7 +228,9 @@ def eval_settings(args: argparse.Namespace, run: RunConfig | None, task: str, re
         system_prompt=args.system_prompt if args.system_prompt is not None else (run.data.system_prompt if run else ""),
         seed=args.seed,
         max_batch=args.max_batch or (run.rollout.max_batch if run else 64),
+        cache_mb=args.cache_mb if args.cache_mb is not None else (run.rollout.cache_mb if run else 0),
         workflow=run.rollout.workflow if run else "",
+        stop=tuple(args.stop if args.stop is not None else (run.rollout.stop if run else ())),
     )
 
 

@@ -298,6 +298,32 @@ def eval_failure_summary(lines: list[dict]) -> dict:
     return {"eval_failures": failures, "evals_failed": failed}
 
 
+def what_ran(config: RunConfig) -> dict[str, str]:
+    """The run's model, training data, evaluation data and reward as its config names them: a file's path, or the
+    built-in task's rows."""
+    data = config.data
+    task = f"task {data.task}"
+    source = data.eval_source_or_default()
+    evaluation = {"builtin": f"{task}: held-out split ({data.held_out} problems)"}.get(source, source)
+    return {
+        "model": config.model.path,
+        "data": task if data.source == "builtin" else data.source,
+        "eval_data": evaluation,
+        "reward": f"{task}: its verifier" if data.reward == "builtin" else data.reward,
+        "template": data.template,
+    }
+
+
+def trajectory_shares(last: dict) -> dict[str, float | None]:
+    """Of the trajectories trained, the share interrupted by a weight update and the share cut at the output budget
+    (finish reason `length`: raise rollout.max_new_tokens, or add rollout.stop, when it is large)."""
+    trained = last.get("trained_trajectories", 0)
+    return {
+        f"{kind}_share": round(last.get(f"{kind}_trajectories", 0) / trained, 4) if trained else None
+        for kind in ("interrupted", "truncated")
+    }
+
+
 def final_version(run_dir: Path) -> int | None:
     """The version of the run's last standing step (what the final evaluation scores), None before any."""
     steps = standing_steps(standing_lines(read_metrics(run_dir / "metrics.jsonl")[0]))
@@ -326,6 +352,7 @@ def finish(
         "run": config.name,
         "outcome": outcome,
         "reason": reason or reward_verdict(lines),
+        **what_ran(config),
         "base_accuracy": base["heldout_accuracy"] if base else None,
         "final_accuracy": final["heldout_accuracy"] if final else None,
         **sampled_eval_summary(base, final),
@@ -335,6 +362,8 @@ def finish(
         "trained_tokens": last.get("trained_tokens", 0),
         "trained_trajectories": last.get("trained_trajectories", 0),
         "interrupted_trajectories": last.get("interrupted_trajectories", 0),
+        "truncated_trajectories": last.get("truncated_trajectories", 0),
+        **trajectory_shares(last),
         **completion_length_summary(steps),
         "mixed_version_trajectories": last.get("mixed_version_trajectories", 0),
         "groups_consumed": last.get("groups_consumed", 0),

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from pipeline.config import ConfigError
-from schemas.config import RunConfig
+from schemas.config import OptimConfig, RunConfig
 
 
 def preflight(config: RunConfig) -> None:
@@ -28,6 +28,18 @@ def preflight(config: RunConfig) -> None:
     rows = usable_rows(config, tokenizer)
     check_reward(config, rows[0])
     check_workflow(config, tokenizer)
+
+
+def learning_rate_warning(config: RunConfig, demo_dir: Path) -> str | None:
+    """One line when a run on a model of one's own (model.path, not the demo model built in `demo_dir`) keeps the
+    demo's learning rate: tuned for a tiny model from its warm-up, it wrecks a pretrained one in a few steps."""
+    lr, path = config.trainer.optim.lr, config.model.path
+    if not path or Path(path).resolve() == demo_dir.resolve() or lr != OptimConfig().lr:
+        return None
+    return (
+        f"asyncrl: warning: trainer.optim.lr is {lr:g}, the demo model's default; a pretrained model ({path}) usually "
+        f"wants 1e-6 to 5e-6 (for example trainer.optim.lr=2e-6)"
+    )
 
 
 def check_workflow(config: RunConfig, tokenizer=None) -> None:

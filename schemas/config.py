@@ -69,8 +69,8 @@ class DataConfig(Section):
     reward: Annotated[
         str,
         doc(
-            "'builtin' (the task's verifier), 'math' (math-verify), 'code' (the row's tests in the sandbox), or your "
-            "own function as path/to/file.py:fn or module:fn (docs: Tasks and rewards)"
+            "'builtin' (the task's verifier), 'math' (math-verify), 'math-strict' (the boxed or last stated number "
+            "only), 'code' (the row's tests), or path/to/file.py:fn or module:fn (docs: Tasks and rewards)"
         ),
     ] = "builtin"
     eval_source: Annotated[
@@ -99,12 +99,27 @@ class DataConfig(Section):
 class RolloutConfig(Section):
     workers: Annotated[int, doc("rollout worker processes started by `asyncrl run`", ge=1)] = 1
     max_batch: Annotated[int, doc("sequences decoded together by one engine", ge=1)] = 64
+    cache_mb: Annotated[
+        int,
+        doc(
+            "the most memory an engine's KV cache may take (torch engine, rollout and evaluation): fewer sequences "
+            "run at once where their budgets are long; 0 = no limit but max_batch",
+            ge=0,
+        ),
+    ] = 0
     temperature: Annotated[float, doc("sampling temperature (0 = greedy)", ge=0)] = 1.0
     top_p: Annotated[float, doc("nucleus sampling mass", gt=0, le=1)] = 1.0
     top_k: Annotated[int, doc("sample among the k most likely tokens; 0 = off", ge=0)] = 0
     max_new_tokens: Annotated[
         Annotated[int, msgspec.Meta(ge=1)] | Auto, doc("completion length limit; auto = the task's default")
     ] = AUTO
+    stop: Annotated[
+        tuple[Annotated[str, msgspec.Meta(min_length=1)], ...],
+        doc(
+            "stop strings: a completion ends with the token completing one, kept; the model's end-of-sequence ids "
+            "always stop (docs: Evaluation and export)"
+        ),
+    ] = ()
     interrupt: Annotated[bool, doc("interrupt in-flight sequences when new weights arrive")] = True
     cache_lag: Annotated[
         Annotated[int, msgspec.Meta(ge=0)] | Auto,
@@ -391,14 +406,14 @@ class RunConfig(Section):
     def __post_init__(self) -> None:
         if "/" in self.name or self.name in {".", "..", "latest"}:
             raise ValueError(f"name {self.name!r} must be a plain directory name other than 'latest'")
-        if self.data.reward not in {"builtin", "math", "code"} and ":" not in self.data.reward:
+        if self.data.reward not in {"builtin", "math", "math-strict", "code"} and ":" not in self.data.reward:
             raise ValueError(
-                f"data.reward {self.data.reward!r}: use builtin, math, code, path/to/file.py:function "
+                f"data.reward {self.data.reward!r}: use builtin, math, math-strict, code, path/to/file.py:function "
                 "or module:function"
             )
         if self.data.source != "builtin" and self.data.reward == "builtin":
             raise ValueError(
-                "data.reward 'builtin' verifies the built-in task only; use 'math', 'code' or 'module:function'"
+                "data.reward 'builtin' verifies the built-in task only; use 'math', 'math-strict', 'code' or 'module:function'"
             )
         if self.data.source != "builtin" and not self.model.path:
             raise ValueError(

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
 if TYPE_CHECKING:  # modeling code: ~1.3 s more import for the prompt source, which never loads a model
-    from transformers import PreTrainedModel
+    from transformers import GenerationConfig, PreTrainedModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TEMPLATES = ("raw", "chat")
@@ -52,6 +52,24 @@ def avoid_cudnn_attention(device: torch.device | str) -> None:
 def context_positions(path: str) -> int | None:
     """The most tokens (prompt + completion) the model at `path` can hold, from its config; None if it says none."""
     return getattr(AutoConfig.from_pretrained(path).get_text_config(), "max_position_embeddings", None)
+
+
+def end_token_ids(tokenizer: PreTrainedTokenizerBase, generation: GenerationConfig | None) -> tuple[int, ...]:
+    """Every id that ends a completion: the tokenizer's EOS and each end-of-sequence id the model's generation
+    config names (one or a list: a chat model often lists its end-of-turn token there too)."""
+    named = generation.eos_token_id if generation is not None else None
+    ids = [tokenizer.eos_token_id, *(named if isinstance(named, list) else [named])]
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+def generation_config_of(path: str) -> GenerationConfig:
+    """The generation config of the model at `path`: its generation_config.json, else what its config.json says."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
 
 
 def compute_dtype(dtype: str, device: str) -> torch.dtype:

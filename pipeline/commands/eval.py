@@ -40,8 +40,8 @@ def add_source_options(evaluate: argparse.ArgumentParser) -> None:
     )
     evaluate.add_argument(
         "--reward",
-        help="'builtin', 'math' or 'module:function' (default: the run's data.reward, else builtin with --task, "
-        "math with --data)",
+        help="'builtin', 'math', 'math-strict' (the boxed or last stated number only), 'code' or 'module:function' "
+        "(default: the run's data.reward, else builtin with --task, math with --data)",
     )
     evaluate.add_argument("--max-rows", type=int, default=0, help="the first N rows only (default: all)")
     evaluate.add_argument("--held-out", type=int, help="--task: size of the held-out split (default: the run's, 200)")
@@ -59,6 +59,13 @@ def add_sampling_options(evaluate: argparse.ArgumentParser) -> None:
         help="completion limit (default: the run's, else the task's with --task, else 512)",
     )
     evaluate.add_argument(
+        "--stop",
+        action="append",
+        metavar="TEXT",
+        help="a stop string: a completion ends with the token completing it; repeat for more (default: the run's "
+        "rollout.stop); the model's end-of-sequence tokens always stop",
+    )
+    evaluate.add_argument(
         "--seed", type=int, default=0, help="sampling seed; also the task split's without --run (default: 0)"
     )
 
@@ -66,6 +73,12 @@ def add_sampling_options(evaluate: argparse.ArgumentParser) -> None:
 def add_machine_options(evaluate: argparse.ArgumentParser) -> None:
     """Where and how fast it decodes."""
     evaluate.add_argument("--max-batch", type=int, help="sequences decoded together (default: the run's, else 64)")
+    evaluate.add_argument(
+        "--cache-mb",
+        type=int,
+        help="the most memory the KV cache may take: fewer sequences at once where budgets are long (default: the "
+        "run's rollout.cache_mb, else 0 = no limit but --max-batch)",
+    )
     evaluate.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: the run's, else cuda when available)")
     evaluate.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="(default: by device)")
     evaluate.add_argument(

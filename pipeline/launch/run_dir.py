@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -97,7 +98,7 @@ def prepare(config: RunConfig, progress: bool = True, deployment: bool = False) 
     join their consumer groups (`launcher.sole_consumers` false), whatever the config it was prepared from says.
     Returns the resolved config and its path.
     """
-    from pipeline.preflight import check_workflow, preflight
+    from pipeline.preflight import check_workflow, learning_rate_warning, preflight
     from topics.admin import BrokerUnreachable, ensure_topics
     from workers.announce import create_key
 
@@ -131,6 +132,8 @@ def prepare(config: RunConfig, progress: bool = True, deployment: bool = False) 
         config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=str(model_dir)))
     config = resolve(config)
     preflight(config)  # what would crash-loop the workers, as one line with the fix, before any starts
+    if warning := learning_rate_warning(config, run_dir / "model"):  # the demo model's own rate suits it
+        print(warning, file=sys.stderr)
     create_key(run_dir)  # once: the trainer signs every weight announcement with it (workers.announce)
     layout = runtime.topic_layout(config)  # every time: a broker may have lost its topics
     try:  # none without a broker: the in-process run's topics are in its memory

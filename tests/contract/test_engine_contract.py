@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
 
 from pipeline.demo_model import build_model, build_tokenizer
 from workers.rollout.engine import Engine
@@ -76,7 +76,8 @@ def engine(request, model: Model) -> Iterator[RolloutEngine]:
     """A fresh engine at version 0; the shared vLLM one is emptied and set back to version 0 after each case,
     so the cases compare its stats() before and after, never with zero."""
     if request.param == "torch":
-        yield Engine(AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32), max_batch=MAX_BATCH, seed=0)
+        policy = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32)
+        yield Engine(policy, max_batch=MAX_BATCH, seed=0, tokenizer=AutoTokenizer.from_pretrained(model.path))
         return
     shared = request.getfixturevalue("vllm_engine")
     yield shared
@@ -115,6 +116,19 @@ def test_greedy_is_deterministic_and_stops_at_its_limits(engine):
     free = first[1].token_ids
     stopped = generate_all(engine, [PROMPTS[1]], replace(GREEDY, stop_token_ids=(free[5],)))[0]
     assert stopped.finish_reason == "stop" and stopped.token_ids == free[: free.index(free[5]) + 1]
+
+
+def test_a_stop_string_ends_a_sequence_with_the_token_completing_it(engine, model):
+    """The completion keeps every token up to the one whose text completes the string, with its logprob."""
+    tokenizer = AutoTokenizer.from_pretrained(model.path)
+    free = generate_all(engine, [PROMPTS[1]], GREEDY)[0]
+    text = tokenizer.decode(free.token_ids)
+    stop = text[len(tokenizer.decode(free.token_ids[:6])) - 1 :][:2]  # the 6th token's last character and the next
+    keep = next(n for n in range(1, len(free.token_ids) + 1) if stop in tokenizer.decode(free.token_ids[:n]))
+    stopped = generate_all(engine, [PROMPTS[1]], replace(GREEDY, stop=("never said", stop)))[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[:keep]
+    assert stopped.logprobs == pytest.approx(free.logprobs[:keep], abs=1e-5) and stopped.versions == [0] * keep
+    assert engine.idle() and engine.stats().running == 0
 
 
 def test_sampled_tokens_each_carry_a_logprob_and_a_version(engine):

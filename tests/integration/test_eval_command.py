@@ -55,6 +55,7 @@ def test_eval_on_an_own_jsonl(demo_model_dir: Path, rows_file: Path, tmp_path: P
     summary = json.loads(out.read_text())
     assert json.loads(capsys.readouterr().out) == summary  # printed too
     check_summary(summary, n=len(ROWS), k=4)  # the bad line is skipped, with a note on stderr
+    assert summary["task"] is None and summary["data"] == str(rows_file)  # an own file: no task named
     rows = [json.loads(line) for line in (tmp_path / "out" / "eval.rows.jsonl").read_text().splitlines()]
     assert len(rows) == summary["n"] and all(len(r["sample_scores"]) == 4 for r in rows)
     # the summary is exactly the per-row results aggregated (n = k, so pass@k is "any right sample")
@@ -91,7 +92,7 @@ def test_eval_on_a_tasks_held_out_split(demo_model_dir: Path, tmp_path: Path) ->
     assert run_eval(*args, "--out", str(out), "--rows-out", str(rows_out)) == 0
     summary = json.loads(out.read_text())
     check_summary(summary, n=12, k=3)
-    assert summary["reward"] == "builtin" and summary["temperature"] == 0.8
+    assert summary["reward"] == "builtin" and summary["task"] == "arith" and summary["temperature"] == 0.8
     assert "held-out split (seed 0, 200 problems)" in summary["data"]
     rows = [json.loads(line) for line in rows_out.read_text().splitlines()]
     assert len(rows) == 12
@@ -99,6 +100,24 @@ def test_eval_on_a_tasks_held_out_split(demo_model_dir: Path, tmp_path: Path) ->
 
     _, held_out = load_task("arith").split(0, 200)
     assert [r["prompt"] for r in rows] == [p.prompt for p in held_out[:12]]
+
+
+def test_eval_stops_at_a_stop_string_and_counts_truncated_completions(demo_model_dir: Path, tmp_path: Path) -> None:
+    """Each completion ends with the first token that completes a --stop string (kept), else at the end token or
+    the output budget; `truncated` counts those cut at the budget."""
+    out = tmp_path / "stop.json"
+    args = ("--model", str(demo_model_dir), "--task", "arith", "--max-rows", "12", "--k", "2", "--stop", "1")
+    assert run_eval(*args, "--stop", "+", "--out", str(out)) == 0
+    summary = json.loads(out.read_text())
+    rows = [json.loads(line) for line in (tmp_path / "stop.rows.jsonl").read_text().splitlines()]
+    completions = [c for r in rows for c in (r["greedy_completion"], *r["sample_completions"])]
+    lengths = [n for r in rows for n in (r["greedy_length"], *r["sample_lengths"])]
+    assert summary["stop"] == ["1", "+"] and any("1" in c for c in completions)
+    for text in completions:
+        cut = min((text.index(s) + 1 for s in ("1", "+") if s in text), default=len(text))
+        assert text[:cut] == text  # nothing after the first stop string (one character, one token here)
+    budget = sum(n == 6 and not any(s in c for s in ("1", "+")) for c, n in zip(completions, lengths, strict=True))
+    assert 0 < summary["truncated"] == sum(r["truncated"] for r in rows) <= budget  # at 6 tokens, not stopped
 
 
 def make_run(demo_model_dir: Path, tmp_path: Path, versions: list[int]) -> Path:

@@ -165,3 +165,15 @@ def test_a_reward_function_of_your_own_passes_by_file_or_by_module_beside_you(
     monkeypatch.delitem(sys.modules, "my_preflight_reward", raising=False)
     spec = f"{tmp_path}/my_preflight_reward.py:score" if form == "path/to/file.py:fn" else "my_preflight_reward:score"
     preflight(config_for(tmp_path, demo_model_dir, f"data.reward={spec}"))
+
+
+def test_prepare_warns_once_a_model_of_ones_own_passed_pre_flight_with_the_demo_learning_rate(
+    tmp_path, demo_model_dir, capsys
+):
+    args = ["prepare", f"runs_dir={tmp_path}", "name=p", f"model.path={demo_model_dir}", "broker.bootstrap=x:1"]
+    assert cli(args) == 2  # no broker answers there: after pre-flight, so the warning came first
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("asyncrl:")]  # no progress bars
+    assert len(lines) == 2 and "no broker answers" in lines[1]
+    assert lines[0].startswith("asyncrl: warning: trainer.optim.lr is 0.0001, the demo model's default")
+    assert cli([*args, "trainer.optim.lr=2e-6"]) == 2
+    assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("asyncrl: warning")]

@@ -233,7 +233,7 @@ def test_rescore_with_a_bad_reward_is_one_clear_line(
         ),
         (
             "reward_plugins",
-            "--reward: data.reward 'reward_plugins': use builtin, math, code, path/to/file.py:function or "
+            "--reward: data.reward 'reward_plugins': use builtin, math, math-strict, code, path/to/file.py:function or "
             "module:function",
         ),
         ("broken_reward:judge", "--reward: reward function 'broken_reward:judge' cannot be loaded: invalid syntax"),

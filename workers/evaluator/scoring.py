@@ -20,7 +20,7 @@ import json
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -31,7 +31,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from schemas.config import RewardConfig, RunConfig
 from schemas.errors import ConfigError
 from workers.evaluator.rows import rows_for_config
-from workers.models import encode_prompt, load_causal_lm
+from workers.models import encode_prompt, end_token_ids, load_causal_lm
 from workers.reward import functions
 from workers.reward.budget import RewardFailures
 from workers.reward.pool import InlineScoring, ScoringPool, scoring
@@ -104,8 +104,10 @@ class EvalSettings:
     system_prompt: str = ""
     seed: int = 0  # sampling
     max_batch: int = 64  # sequences the engine decodes together
+    cache_mb: int = 0  # rollout.cache_mb: the most the engine's KV cache may take (0: no limit but max_batch)
     workflow: str = ""  # rollout.workflow: calls are answered as in the run's rollouts ('' = one turn)
     threads: int = 0  # torch threads of the thread that evaluates (OpenMP's count is per thread); 0: as it is
+    stop: tuple[str, ...] = ()  # rollout.stop: strings that end a completion, as in the run's rollouts
 
 
 @dataclass
@@ -240,7 +242,9 @@ class Evaluator:
             system_prompt=config.data.system_prompt,
             seed=config.seed,
             max_batch=config.rollout.max_batch,
+            cache_mb=config.rollout.cache_mb,
             workflow=config.rollout.workflow,
+            stop=tuple(config.rollout.stop),
             # the launcher's own process shares the cores with the workers: as few threads as a rollout worker
             # (tiny matmuls on more threads than free cores spin: 15x slower measured on 2 busy cores)
             threads=config.rollout.threads,
@@ -268,9 +272,11 @@ class Evaluator:
         s = self.settings
         if s.threads:
             torch.set_num_threads(s.threads)
-        greedy_params = SamplingParams(temperature=0.0, max_new_tokens=s.max_new_tokens, stop_token_ids=self._stop())
-        sample_params = SamplingParams(s.temperature, max_new_tokens=s.max_new_tokens, stop_token_ids=self._stop())
-        engine = Engine(self.model, max_batch=s.max_batch, seed=s.seed)
+        sample_params = SamplingParams(
+            s.temperature, max_new_tokens=s.max_new_tokens, stop_token_ids=self._stop(), stop=s.stop
+        )
+        greedy_params = replace(sample_params, temperature=0.0)
+        engine = Engine(self.model, max_batch=s.max_batch, seed=s.seed, tokenizer=self.tokenizer, cache_mb=s.cache_mb)
         prompts, refused = self._prompts(engine, greedy_params)
         valid = [i for i, ids in enumerate(prompts) if ids is not None]
         workflow = self.workflow
@@ -298,9 +304,13 @@ class Evaluator:
         return EvalResult(summary, results)
 
     def _stop(self) -> tuple[int, ...]:
-        """EOS, and the workflow's call token: a call ends a turn, answered before the next."""
+        """The model's end-of-sequence ids, and the workflow's call token: a call ends a turn, answered before the
+        next."""
         workflow = self.workflow
-        stops = [self.tokenizer.eos_token_id, workflow and call_token_of(self.tokenizer, workflow.call_end)]
+        stops = [
+            *end_token_ids(self.tokenizer, self.model.generation_config),
+            workflow and call_token_of(self.tokenizer, workflow.call_end),
+        ]
         return tuple(t for t in stops if t is not None)
 
     def _prompts(self, engine: Engine, params: SamplingParams) -> tuple[list[list[int] | None], dict[int, str]]:
@@ -309,7 +319,7 @@ class Evaluator:
         for i, row in enumerate(self.rows):
             ids = encode_prompt(self.tokenizer, row.prompt, s.template, s.system_prompt)
             try:
-                check_request(ids, params, engine.max_len, engine.vocab)
+                check_request(ids, params, engine.max_len, engine.vocab, engine.tokenizer)
             except ValueError as exc:
                 ids, refused[i] = None, f"prompt refused: {exc}"
             prompts.append(ids)

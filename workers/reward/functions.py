@@ -2,13 +2,16 @@
 
 A reward function is `fn(prompt: str, completion: str, metadata: dict[str, str])`
 returning a float, or `(float, details: dict)`. `metadata` holds the row's fields
-plus "answer". 'builtin' is the task's own verifier; 'code' runs the completion against the
-row's tests in the sandbox (`workers/sandbox/code.py`). This module runs inside the scoring processes.
+plus "answer". 'builtin' is the task's own verifier; 'math' takes the answer math-verify finds in
+the completion, 'math-strict' only the boxed or last stated number (`stated_answer`); 'code' runs the
+completion against the row's tests in the sandbox (`workers/sandbox/code.py`). This module runs inside the
+scoring processes.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -29,17 +32,48 @@ def math_answer(prompt: str, completion: str, metadata: dict[str, str]) -> tuple
     return (1.0 if gold and predicted and verify(gold, predicted) else 0.0), {"parsed": str(predicted[:1])}
 
 
+LAST_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")  # 12, -3, 1,000, 0.5, 3/4
+
+
+def stated_answer(completion: str) -> str:
+    """A completion's final answer in the strict form: the content of its last \\boxed{}, else the last number it
+    states, else '' (no answer). Nothing else counts: "9 - 3 = 5" answers 5."""
+    start = completion.rfind("\\boxed{")
+    if start >= 0:
+        depth, begin = 0, start + len("\\boxed{")
+        for end in range(begin, len(completion)):
+            depth += {"{": 1, "}": -1}.get(completion[end], 0)
+            if depth < 0:
+                return completion[begin:end].strip()
+    numbers = LAST_NUMBER.findall(completion)
+    return numbers[-1].replace(",", "") if numbers else ""
+
+
+def math_strict(prompt: str, completion: str, metadata: dict[str, str]) -> tuple[float, dict[str, str]]:
+    """1.0 when the completion's `stated_answer` equals the reference (math-verify compares the two), where 'math'
+    takes any answer-like expression math-verify finds in the text."""
+    from math_verify import parse, verify
+
+    answer = stated_answer(completion)
+    gold, predicted = parse(metadata["answer"]), parse(f"${answer}$") if answer else []
+    return (1.0 if gold and predicted and verify(gold, predicted) else 0.0), {"parsed": str(predicted[:1])}
+
+
 def load(spec: str, task: str = "arith") -> RewardFn:
-    """'builtin' (the verifier of `task`, a data.task spec), 'math', 'code', 'path/to/file.py:function' or
-    'package.module:function'."""
+    """'builtin' (the verifier of `task`, a data.task spec), 'math', 'math-strict', 'code',
+    'path/to/file.py:function' or 'package.module:function'."""
     if spec == "builtin":
         verifier = load_task(task)
         return lambda prompt, completion, metadata: verifier.score(completion, metadata["answer"])
     if spec == "math":
         return math_answer
+    if spec == "math-strict":
+        return math_strict
     if spec == "code":
         return code_reward
-    fn = load_attribute(spec, "reward function", "builtin, math, code, path/to/file.py:function or module:function")
+    fn = load_attribute(
+        spec, "reward function", "builtin, math, math-strict, code, path/to/file.py:function or module:function"
+    )
     if not callable(fn):
         raise ValueError(f"reward function {spec!r} is not callable")
     return fn
@@ -70,6 +104,8 @@ def answer_key(spec: str, task: str = "arith") -> AnswerKey:
         return load_task(task).final_answer
     if spec == "math":
         return math_key
+    if spec == "math-strict":
+        return lambda completion: math_key(f"${answer}$") if (answer := stated_answer(completion)) else ""
     if spec == "code":
         return extract_code
     return str.strip

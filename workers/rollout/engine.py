@@ -1,9 +1,9 @@
 """Embedded PyTorch inference engine for the rollout worker: the scheduler of its slots.
 
-Continuous batching over a preallocated slot KV cache, on CPU or CUDA (the model's device):
+Continuous batching over a slot KV cache, on CPU or CUDA (the model's device):
 
-    kv    : [2, layers, slots, kv_heads, capacity, head_dim], keys and values of every slot,
-            allocated once (it grows, copying, only when a request needs a longer slot)
+    kv    : [2, layers, rows, kv_heads, capacity, head_dim], keys and values of every slot, sized
+            by the sequences admitted (it grows, copying, when more slots or a longer budget need it)
     slots : the running sequences; sequence i lives in slot i, and slots stay a dense prefix
 
 Slot invariant: at a step boundary slot i's cache holds every token of its sequence but
@@ -50,11 +50,12 @@ import torch
 
 from workers.models import avoid_cudnn_attention
 from workers.rollout.forward import Batch, Chunk, make_forward
-from workers.rollout.protocol import EngineStats, SamplingParams, Sequence, check_request
+from workers.rollout.protocol import EngineStats, SamplingParams, Sequence, check_request, stop_cut
 from workers.rollout.sampling import SlotSampling
 from workers.weights import WeightsFile, load_into, read_verified
 
-CAPACITY_STEP = 64  # slot capacity grows in multiples of this
+CAPACITY_STEP = 64  # slot capacity (positions) grows in multiples of this
+SLOT_STEP = 8  # the cache's slot rows grow in multiples of this, up to max_batch
 PREFILL_SPREAD = 1.5  # a prefill chunk's longest row is at most this times its shortest (`prefill_cut`)
 RUN_BLOCK = 4  # decode rows are cut into attention runs at multiples of this many slots (`decode_runs`)
 SORT_WASTE = 1.6  # decoding slots are sorted again once blocks of them would attend this times their own columns
@@ -117,10 +118,15 @@ class Engine:
         max_prefill_tokens: int = 16384,
         forward: str = "auto",
         cache_lag: int = 0,
+        tokenizer=None,
+        cache_mb: int = 0,
     ):
         """`cache_lag`: versions a running sequence's cache may lag the weights before an update recomputes it
-        (`update_weights`)."""
+        (`update_weights`); `tokenizer`: decodes completions' tails for stop strings (without one, requests with
+        `stop` are refused); `cache_mb`: the most the KV cache may take (0: no limit but max_batch), fewer
+        sequences running at once where their budgets are long (`_admit`)."""
         self.model = model.eval()
+        self.tokenizer = tokenizer
         self.cache_lag = cache_lag
         self.device = next(model.parameters()).device
         avoid_cudnn_attention(self.device)  # every decode step has a new span
@@ -136,7 +142,9 @@ class Engine:
             getattr(config, "num_key_value_heads", None) or heads,
             getattr(config, "head_dim", None) or config.hidden_size // heads,
         )
-        self.kv: torch.Tensor | None = None  # [2, layers, max_batch, Hkv, C, D], allocated on first admission
+        self.kv: torch.Tensor | None = None  # [2, layers, rows, Hkv, C, D], rows >= the slots (`_reserve`)
+        position_bytes = 2 * math.prod(self.kv_shape) * model.dtype.itemsize  # one position of one slot, k and v
+        self.cache_positions = (cache_mb << 20) // position_bytes if cache_mb else None  # rows x C at most
         self.version = version
         self.generator = None
         if seed is not None:
@@ -156,7 +164,7 @@ class Engine:
 
     def submit(self, key: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request; it joins the batch at the next step with room."""
-        check_request(prompt_ids, params, self.max_len, self.vocab)
+        check_request(prompt_ids, params, self.max_len, self.vocab, self.tokenizer)
         if any(s.key == key for s in self.running()):
             raise ValueError(f"sequence {key!r} is already in the engine")
         seq = Sequence(key, list(prompt_ids), params)
@@ -185,10 +193,13 @@ class Engine:
         tokens, logprobs = self._sample(logits)  # [B], [B]
         self.generated_tokens += len(self.slots)
         for seq, tok, lp in zip(self.slots, tokens.tolist(), logprobs.tolist(), strict=True):
+            stopped = tok in seq.params.stop_token_ids or stop_cut(
+                seq.token_ids, [tok], seq.params.stop, self.tokenizer
+            )
             seq.token_ids.append(tok)
             seq.logprobs.append(lp)
             seq.versions.append(self.version)
-            if tok in seq.params.stop_token_ids:
+            if stopped:
                 seq.finish_reason = "stop"
             elif len(seq.token_ids) >= seq.params.max_new_tokens or (self.max_len and len(seq) >= self.max_len):
                 seq.finish_reason = "length"
@@ -287,31 +298,59 @@ class Engine:
         room = self.max_batch - len(self.slots)
         if room <= 0 or not self.waiting:
             return
-        new = [self.waiting.popleft() for _ in range(min(room, len(self.waiting)))]
-        self._reserve(max(len(s.prompt_ids) + s.params.max_new_tokens for s in new))
+        new = []
+        while len(new) < room and self.waiting and self._fits([*new, self.waiting[0]]):
+            new.append(self.waiting.popleft())
+        if not new:
+            return
         end = len(self.slots) - len(self.leads)  # the followers stay last
         self.slots[self.decoding : end] = sorted(self.slots[self.decoding : end] + new, key=len, reverse=True)
         self.slots_changed = True
+        self._reserve()
 
-    def _reserve(self, need: int) -> None:
-        """Make every slot hold `need` positions (capped at the model's), keeping what is cached."""
+    def _fits(self, new: list[Sequence]) -> bool:
+        """Whether the cache, with `new` admitted too, stays within `cache_mb`: rows for every slot (at least
+        those allocated) times the longest budget. A lone sequence always fits: the engine must make progress."""
+        if self.cache_positions is None or (not self.slots and len(new) == 1):
+            return True
+        rows = max(len(self.slots) + len(new), 0 if self.kv is None else self.kv.shape[2])
+        return rows * self._capacity(self.slots + new) <= self.cache_positions
+
+    def _capacity(self, seqs: list[Sequence]) -> int:
+        """Cache positions `seqs` need: their longest prompt + max_new_tokens, in multiples of CAPACITY_STEP, at
+        most the model's length (and never less than the cache has)."""
+        need = max(len(seq.prompt_ids) + seq.params.max_new_tokens for seq in seqs)
+        need = math.ceil(need / CAPACITY_STEP) * CAPACITY_STEP
         if self.max_len is not None:
             need = min(need, self.max_len)
-        capacity = 0 if self.kv is None else self.kv.shape[-2]
-        if need <= capacity:
+        return max(need, 0 if self.kv is None else self.kv.shape[-2])
+
+    def _reserve(self) -> None:
+        """Make the cache hold every slot's whole budget (prompt + max_new_tokens, capped at the model's length),
+        keeping what is cached.
+
+        Sized by the sequences admitted, not by a worst case of max_batch slots: rows for the slots in use (in
+        multiples of SLOT_STEP, doubling as more are admitted, up to max_batch and what `cache_mb` allows),
+        positions for the longest budget among them (`_capacity`). Growing copies the cache once, so a batch
+        submitted at once (`generate_all`, longest first) allocates it once.
+        """
+        rows, capacity = len(self.slots), self._capacity(self.slots)
+        have_rows, have = (0, 0) if self.kv is None else (self.kv.shape[2], self.kv.shape[-2])
+        if rows <= have_rows and capacity <= have:
             return
-        capacity = max(need, 2 * capacity)
-        capacity = math.ceil(capacity / CAPACITY_STEP) * CAPACITY_STEP
-        if self.max_len is not None:
-            capacity = min(capacity, self.max_len)
+        if rows > have_rows:
+            most = self.max_batch if self.cache_positions is None else self.cache_positions // capacity
+            rows = max(rows, min(max(math.ceil(rows / SLOT_STEP) * SLOT_STEP, 2 * have_rows), self.max_batch, most))
+        rows = max(rows, have_rows)
         layers, kv_heads, head_dim = self.kv_shape
         kv = torch.zeros(
-            2, layers, self.max_batch, kv_heads, capacity, head_dim, dtype=self.model.dtype, device=self.device
+            2, layers, rows, kv_heads, capacity, head_dim, dtype=self.model.dtype, device=self.device
         )  # [2, layers, slots, Hkv, C, D]
         if self.kv is not None:
-            kv[..., : self.kv.shape[-2], :] = self.kv
+            kv[:, :, :have_rows, :, :have] = self.kv
         self.kv = kv
-        self.forward.reserve(capacity)
+        if capacity > have:
+            self.forward.reserve(capacity)
 
     def _free(self, i: int) -> None:
         """Retire the sequence in slot i, keeping the slots dense and the slot invariant.

@@ -16,6 +16,11 @@ tokens so far (the torch engine keeps a cache up to `rollout.cache_lag` versions
 instead). If the file is gone it raises FileNotFoundError and they continue on
 the old weights; a `step()` before any update does the same. `update_weights` alone
 also works: it interrupts on its own.
+
+A sequence stops at any of its `stop_token_ids` and, where the engine was given a
+tokenizer, at any of its `stop` strings: the completion keeps every generated token up
+to and including the one that completed the string (so its text holds the stop string,
+and every token keeps its behaviour logprob), and ends with finish reason "stop".
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ class SamplingParams:
     top_p: float = 1.0
     max_new_tokens: int = 32
     stop_token_ids: tuple[int, ...] = ()
-    top_k: int = 0  # 0 = off; last, so positional construction of the fields above still works
+    top_k: int = 0  # 0 = off
+    stop: tuple[str, ...] = ()  # stop strings (`stop_cut`); the engine needs a tokenizer to see them
 
 
 @dataclass
@@ -46,7 +52,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # policy version that produced each token
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" (a stop token or string) | "length" (max_new_tokens, the model's length)
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.token_ids)
@@ -72,6 +78,7 @@ class RolloutEngine(Protocol):
 
     version: int  # the weights version generating new tokens
     vocab: int  # token ids the model embeds: [0, vocab)
+    tokenizer: object | None  # decodes completions for stop strings; None: requests with `stop` are refused
 
     def submit(self, key: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request; ValueError, the engine unchanged, for one it cannot run (see `check_request`)."""
@@ -102,8 +109,10 @@ class RolloutEngine(Protocol):
         """Release what the engine holds outside this process's memory (vLLM's engine core)."""
 
 
-def check_request(prompt_ids: list[int], params: SamplingParams, max_len: int | None, vocab: int) -> None:
-    """Refuse what no engine can run (ValueError), before anything is queued.
+def check_request(
+    prompt_ids: list[int], params: SamplingParams, max_len: int | None, vocab: int, tokenizer: object | None
+) -> None:
+    """Refuse what the engine cannot run (ValueError), before anything is queued.
 
     Out-of-vocabulary ids are refused here because on CUDA an embedding lookup past the
     table is a device-side assert that takes the whole process down, not an exception.
@@ -116,6 +125,28 @@ def check_request(prompt_ids: list[int], params: SamplingParams, max_len: int | 
         raise ValueError(f"bad sampling params {params}")
     if max_len is not None and len(prompt_ids) >= max_len:
         raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room under {max_len} positions")
+    if params.stop and (tokenizer is None or not all(params.stop)):
+        raise ValueError(f"stop strings {params.stop} need non-empty strings and an engine given a tokenizer")
+
+
+def stop_cut(previous: list[int], new: list[int], stop: tuple[str, ...], tokenizer) -> int | None:
+    """How many of the `new` tokens of a completion (after `previous`) it keeps when one of them completes a stop
+    string: up to and including that token; None when none does.
+
+    Only a tail is decoded, as many tokens as the longest stop string has bytes, plus one (every token is at
+    least one byte of text): the check is applied after every token, so a string first seen is one the newest
+    token completed.
+    """
+    if not stop:
+        return None
+    window = max(len(s.encode()) for s in stop) + 1
+    tail = previous[-window:]
+    for n, token in enumerate(new, 1):
+        tail = [*tail[-window + 1 :], token]
+        text = tokenizer.decode(tail)
+        if any(s in text for s in stop):
+            return n
+    return None
 
 
 def generate_all(
@@ -125,10 +156,13 @@ def generate_all(
     on_finished: Callable[[list[Sequence]], None] | None = None,
 ) -> list[Sequence]:
     """Run a whole batch to completion on an idle engine (evaluation, tests); results in prompt order.
-    `on_finished` sees each step's finished sequences (a progress bar)."""
+    `on_finished` sees each step's finished sequences (a progress bar). The longest prompts are submitted first:
+    the torch engine's first admission then sizes its cache for the whole batch."""
     if not engine.idle():
         raise RuntimeError("generate_all() needs an idle engine")
-    seqs = [engine.submit(f"generate/{i}", p, params) for i, p in enumerate(prompts)]
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # stable: equal lengths keep their order
+    submitted = {i: engine.submit(f"generate/{i}", prompts[i], params) for i in order}
+    seqs = [submitted[i] for i in range(len(prompts))]
     while not engine.idle():
         finished = engine.step()
         if on_finished is not None:

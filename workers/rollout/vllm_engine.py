@@ -22,7 +22,10 @@ sampler used, after temperature. Without top-k/top-p that is the torch engine's
 convention; with them vLLM reports the truncated, renormalised distribution, where the
 torch engine reports the tempered one before truncation. vLLM also stops at the
 model's EOS on its own; `ignore_eos` leaves stopping to the request's stop tokens, as
-in the torch engine.
+in the torch engine. Stop strings are checked here, on the tokens step() applies
+(`stop_cut`, the torch engine's check), not by vLLM: vLLM runs without its tokenizer,
+and a string that completes across a resubmission after an update is still seen. The
+request of a sequence that stopped so is aborted; tokens past the stop are dropped.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.rollout.protocol import EngineStats, SamplingParams, Sequence, check_request
+from workers.rollout.protocol import EngineStats, SamplingParams, Sequence, check_request, stop_cut
 from workers.weights import WeightsFile, missing, verify
 
 POLL_S = 0.05  # how long step() waits for vLLM's next output before handing control back
@@ -93,6 +96,9 @@ class VLLMEngine:
         max_model_len: int | None = None,
     ):
         self.vllm = import_vllm()
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)  # for stop strings (vLLM runs without its own)
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -125,7 +131,7 @@ class VLLMEngine:
 
     def submit(self, key: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         """Start generating; the tokens show up in the Sequence through step()."""
-        check_request(prompt_ids, params, self.max_len, self.vocab)
+        check_request(prompt_ids, params, self.max_len, self.vocab, self.tokenizer)
         if any(s.key == key for s in self.running()):
             raise ValueError(f"sequence {key!r} is already in the engine")
         seq = Sequence(key, list(prompt_ids), params)
@@ -158,16 +164,21 @@ class VLLMEngine:
                 continue
             if isinstance(out, Exception):
                 raise out
-            seq = request.seq
-            seq.token_ids += out.token_ids
-            seq.logprobs += [options[tok].logprob for tok, options in zip(out.token_ids, out.logprobs, strict=True)]
-            seq.versions += [request.version] * len(out.token_ids)
-            self.generated_tokens += len(out.token_ids)
-            if out.finish_reason is not None:
-                if out.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(f"vLLM ended {seq.key!r} with {out.finish_reason!r}")
-                seq.finish_reason = out.finish_reason
+            seq, tokens, reason = request.seq, list(out.token_ids), out.finish_reason
+            if reason is not None and reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM ended {seq.key!r} with {reason!r}")
+            cut = stop_cut(seq.token_ids, tokens, seq.params.stop, self.tokenizer)
+            if cut is not None:
+                tokens, reason = tokens[:cut], "stop"
+            seq.token_ids += tokens
+            seq.logprobs += [options[tok].logprob for tok, options in zip(tokens, out.logprobs, strict=False)]
+            seq.versions += [request.version] * len(tokens)
+            self.generated_tokens += len(tokens)
+            if reason is not None:
+                seq.finish_reason = reason
                 del self.requests[request_id]
+                if out.finish_reason is None:  # stopped here, at a stop string: vLLM would go on
+                    self._abort([request])
                 finished.append(seq)
         return finished
 

@@ -32,7 +32,7 @@ from topics.tracing import trace_headers
 from topics.transport import Delivery, Inbox, Outbox, Transport, WeightsFollower
 from workers import runtime
 from workers.announce import AnnouncementCheck, load_key
-from workers.models import load_causal_lm
+from workers.models import end_token_ids, generation_config_of, load_causal_lm
 from workers.profiling import step_profiler
 from workers.rollout.engine import Engine
 from workers.rollout.protocol import RolloutEngine, SamplingParams, Sequence
@@ -67,7 +67,8 @@ class InFlight:
 
 
 def make_engine(config: RunConfig) -> RolloutEngine:
-    """The configured backend at version 0, in model.dtype: the embedded torch engine, or vLLM."""
+    """The configured backend at version 0, in model.dtype: the embedded torch engine, or vLLM; each with the model's
+    tokenizer, for stop strings."""
     if config.rollout.backend == "vllm":
         from workers.rollout.vllm_engine import VLLMEngine  # vLLM itself is imported only here
 
@@ -85,6 +86,8 @@ def make_engine(config: RunConfig) -> RolloutEngine:
         version=0,
         seed=config.seed,
         cache_lag=config.rollout.cache_lag,
+        tokenizer=AutoTokenizer.from_pretrained(config.model.path),
+        cache_mb=config.rollout.cache_mb,
     )
 
 
@@ -97,13 +100,14 @@ class Rollout:
         self.tokenizer = AutoTokenizer.from_pretrained(ctx.config.model.path)
         self.workflow = load_workflow(cfg.workflow)
         self.call_token = self.workflow and call_token_of(self.tokenizer, self.workflow.call_end)
-        stops = [self.tokenizer.eos_token_id, self.call_token]
+        stops = [*end_token_ids(self.tokenizer, generation_config_of(ctx.config.model.path)), self.call_token]
         self.params = SamplingParams(
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             top_k=cfg.top_k,
             max_new_tokens=cfg.max_new_tokens,
             stop_token_ids=tuple(t for t in stops if t is not None),
+            stop=tuple(cfg.stop),
         )
         self.groups: dict[str, InFlight] = {}  # prompt id -> group
         self.counter = itertools.count()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from workers.plugins import load_class
 from workers.rollout.protocol import RolloutEngine, SamplingParams, Sequence
@@ -132,9 +132,7 @@ class Conversation:
         room = params.max_new_tokens - len(self.token_ids)
         if room < 1:
             return None
-        return self.prompt_ids + self.token_ids, SamplingParams(
-            params.temperature, params.top_p, room, params.stop_token_ids, params.top_k
-        )
+        return self.prompt_ids + self.token_ids, replace(params, max_new_tokens=room)
 
 
 def call_token_of(tokenizer, call_end: str) -> int:

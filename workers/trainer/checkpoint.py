@@ -34,6 +34,7 @@ class TrainerState:
     trained_tokens: int = 0
     trained_trajectories: int = 0
     interrupted_trajectories: int = 0
+    truncated_trajectories: int = 0  # cut at rollout.max_new_tokens (or the model's length): finish reason `length`
     mixed_version_trajectories: int = 0
     max_staleness_trained: int = 0
     skipped_steps: int = 0  # steps with an update not applied (NaN or inf loss or gradient norm); versions go on

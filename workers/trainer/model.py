@@ -142,6 +142,8 @@ class Trainer:
         st.trained_tokens += tokens
         st.trained_trajectories += len(trajectories)
         st.interrupted_trajectories += sum(s.interruptions > 0 for s in trajectories)
+        truncated = sum(s.finish_reason == "length" for s in trajectories)
+        st.truncated_trajectories += truncated
         st.mixed_version_trajectories += sum(len(set(versions)) > 1 for versions in trained)
         st.max_staleness_trained = max(st.max_staleness_trained, *lags)
         st.skipped_steps += bool(stats["skipped_updates"])  # its groups are consumed all the same (worker.py)
@@ -151,6 +153,7 @@ class Trainer:
             "reward_mean": rewards.mean().item(),
             "tokens": tokens,
             "completion_lengths": [len(s.completion_tokens) for s in trajectories],  # the run's percentiles
+            "truncated": truncated,  # this step's trajectories cut at the output budget
             "staleness_mean": sum(lags) / len(lags),
             "staleness_max": max(lags),
             "staleness_histogram": [histogram[lag] for lag in range(max(lags) + 1)],  # trajectories per staleness

@@ -299,6 +299,7 @@ class Lead:
             groups_dropped=st.groups_dropped,
             groups_skipped=st.groups_skipped,
             interrupted_trajectories=st.interrupted_trajectories,
+            truncated_trajectories=st.truncated_trajectories,
             mixed_version_trajectories=st.mixed_version_trajectories,
             max_staleness_trained=st.max_staleness_trained,
             skipped_steps=st.skipped_steps,

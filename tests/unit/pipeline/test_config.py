@@ -260,3 +260,19 @@ def test_resolve_leaves_nothing_automatic():
     assert resolved.data.eval_source == "none"
     assert resolve(load_config()).data.eval_source == "builtin"
     assert resolve(load_config(None, ["trainer.loss.clip_eps=0.3"])).trainer.loss.clip_eps_high == 0.3
+
+
+def test_a_run_on_ones_own_model_with_the_demo_learning_rate_is_warned_once(tmp_path):
+    from pipeline.preflight import learning_rate_warning
+
+    demo_dir = tmp_path / "runs" / "demo" / "model"
+    own = load_config(None, [f"model.path={tmp_path}/smollm2"])
+    warning = learning_rate_warning(own, demo_dir)
+    assert warning.startswith("asyncrl: warning: trainer.optim.lr is 0.0001, the demo model's default")
+    assert "trainer.optim.lr=2e-6" in warning and "\n" not in warning
+    assert (
+        learning_rate_warning(load_config(None, [f"model.path={tmp_path}/m", "trainer.optim.lr=2e-6"]), demo_dir)
+        is None
+    )
+    assert learning_rate_warning(load_config(None, []), demo_dir) is None  # the demo model: its own rate
+    assert learning_rate_warning(load_config(None, [f"model.path={demo_dir}"]), demo_dir) is None  # a demo resumed

@@ -65,3 +65,30 @@ def test_a_resumed_run_s_summary_counts_each_step_once(tmp_path: Path) -> None:
     assert (summary["completion_len_max"], summary["base_accuracy"]) == (5, 0.25)
     assert summary["final_accuracy"] is None  # the resumed run's version 5 was not evaluated
     assert json.loads((run_dir / "summary.json").read_text())["resumed_from"] == [3]
+
+
+def test_the_summary_names_what_ran_and_the_shares_truncated_and_interrupted(tmp_path: Path) -> None:
+    rows = tmp_path / "mine.jsonl"
+    config = resolve(
+        load_config(
+            None,
+            ["name=own", f"runs_dir={tmp_path}", f"model.path={tmp_path}/m", f"data.source={rows}", "data.reward=math"],
+        )
+    )
+    run_dir = tmp_path / "own"
+    run_dir.mkdir()
+    last = trainer(2, 7) | {"truncated_trajectories": 2, "interrupted_trajectories": 6}  # of 8 trained
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps({"time": 1.0, **l}) + "\n" for l in (trainer(1, 5), last))
+    )
+    summary = monitor.finish(config, run_dir, "finished", started=0.0)
+    assert (summary["model"], summary["data"], summary["eval_data"]) == (f"{tmp_path}/m", str(rows), "none")
+    assert (summary["reward"], summary["template"]) == ("math", "raw") and "task" not in summary
+    assert (summary["truncated_trajectories"], summary["truncated_share"], summary["interrupted_share"]) == (
+        2,
+        0.25,
+        0.75,
+    )
+    demo = monitor.what_ran(resolve(load_config(None, ["data.task=chain"])))
+    assert (demo["data"], demo["reward"]) == ("task chain", "task chain: its verifier")
+    assert demo["eval_data"] == "task chain: held-out split (200 problems)"

@@ -18,6 +18,8 @@ from workers.models import (
     check_chat_template,
     compute_dtype,
     encode_prompt,
+    end_token_ids,
+    generation_config_of,
     load_causal_lm,
 )
 from workers.prompt_source import INITIAL, Source
@@ -177,3 +179,29 @@ def test_cudnn_attention_is_turned_off_for_cuda_only(device, enabled_after):
         assert torch.backends.cuda.cudnn_sdp_enabled() is enabled_after
     finally:
         torch.backends.cuda.enable_cudnn_sdp(was)
+
+
+def test_every_end_of_sequence_id_of_the_generation_config_stops(raw_dir, tmp_path):
+    """The tokenizer's EOS and each id generation_config.eos_token_id names (an int, or a list as chat models'
+    often are); without generation_config.json, config.json's."""
+    tokenizer = AutoTokenizer.from_pretrained(raw_dir)
+    eos = tokenizer.eos_token_id
+    model = tiny_qwen2(vocab_size=len(tokenizer), eos_token_id=eos)
+    model.generation_config.eos_token_id = [5, eos, 7]
+    model.save_pretrained(tmp_path / "listed")
+    assert end_token_ids(tokenizer, generation_config_of(str(tmp_path / "listed"))) == (eos, 5, 7)
+    (tmp_path / "listed" / "generation_config.json").unlink()
+    assert end_token_ids(tokenizer, generation_config_of(str(tmp_path / "listed"))) == (eos,)
+    model.generation_config.eos_token_id = 9
+    assert end_token_ids(tokenizer, model.generation_config) == (eos, 9)
+    assert end_token_ids(tokenizer, None) == (eos,)
+
+
+def test_the_evaluator_stops_at_the_generation_configs_end_ids(raw_dir):
+    from workers.evaluator.scoring import EvalSettings, Evaluator
+
+    tokenizer = AutoTokenizer.from_pretrained(raw_dir)
+    model = tiny_qwen2(vocab_size=len(tokenizer))
+    model.generation_config.eos_token_id = [3, 4]
+    evaluator = Evaluator(model, tokenizer, [], lambda row, text: (0.0, "", ""), EvalSettings())
+    assert set(evaluator._stop()) == {tokenizer.eos_token_id, 3, 4}

@@ -25,7 +25,7 @@ from workers.rollout import engine as engine_module
 from workers.rollout import forward as forward_module
 from workers.rollout.engine import Engine
 from workers.rollout.forward import DirectForward, HFForward
-from workers.rollout.protocol import SamplingParams, generate_all
+from workers.rollout.protocol import SamplingParams, generate_all, stop_cut
 from workers.weights import WeightsFile, write_version
 
 torch.set_num_threads(1)
@@ -586,3 +586,95 @@ def test_finish_reasons_and_max_batch(model, forward):
         engine.submit("bad", [1], SamplingParams(top_p=0.0))
     with pytest.raises(ValueError):
         engine.submit("bad", [1], SamplingParams(top_k=-1))
+
+
+class WordTokenizer:
+    """A tokenizer for the 16-token test models: token i is WORDS[i], of one to three characters (some ending
+    inside what a stop string spans)."""
+
+    WORDS = ("a", "bc", "d", "ef", "g", "hij", "k", "l", "mn", "o", "pq", "r", "st", "u", "vw", "xyz")
+
+    def __init__(self):
+        self.decoded = []  # the length of every id list decoded
+
+    def decode(self, ids: list[int]) -> str:
+        self.decoded.append(len(ids))
+        return "".join(self.WORDS[i] for i in ids)
+
+
+def first_completing(tokens: list[int], stop: str) -> int:
+    """Tokens a completion keeps under `stop`: up to the first whose text completes it (decoding it all)."""
+    words = WordTokenizer()
+    return next(n for n in range(1, len(tokens) + 1) if stop in words.decode(tokens[:n]))
+
+
+@pytest.mark.parametrize("start,end", [(4, 6), (0, 1), (2, 9)])
+def test_stop_cut_keeps_tokens_up_to_the_one_completing_a_stop_string(start, end):
+    tokens = [7, 1, 12, 5, 15, 3, 9, 14, 2, 11]  # "l bc st hij xyz ef o vw d r"
+    text = "".join(WordTokenizer.WORDS[i] for i in tokens)
+    stop = text[start:end]
+    want = first_completing(tokens, stop)
+    words = WordTokenizer()
+    cuts = [stop_cut(tokens[:n], [tokens[n]], (stop, "nowhere"), words) for n in range(len(tokens))]
+    assert cuts[:want] == [None] * (want - 1) + [1]  # the engine checks after every token: the first one counts
+    if want > 2:  # several new tokens at once (vLLM's outputs), after two without it
+        assert stop_cut(tokens[:2], tokens[2:], ("nowhere", stop), WordTokenizer()) == want - 2
+    assert max(words.decoded) == len("nowhere") + 1  # a tail only: the longest stop string's bytes, plus one
+
+
+def test_stop_strings_end_a_sequence_keeping_the_stop_string(model, forward):
+    words = WordTokenizer()
+    free = generate_all(Engine(model, forward=forward), [PROMPTS[1]], GREEDY)[0].token_ids
+    text = words.decode(free)
+    stop = text[len(words.decode(free[:5])) - 1 :][:3]  # from the last letter of the 5th token: across tokens
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, stop=(stop,))
+    engine = Engine(model, forward=forward, tokenizer=words)
+    stopped, other = generate_all(engine, [PROMPTS[1], PROMPTS[0]], params)
+    keep = first_completing(free, stop)
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free[:keep] and stop in words.decode(free[:keep])
+    assert len(stopped.logprobs) == len(stopped.versions) == keep
+    assert other.finish_reason == "stop" or stop not in words.decode(other.token_ids)
+    with pytest.raises(ValueError, match="tokenizer"):
+        Engine(model, forward=forward).submit("no tokenizer", PROMPTS[0], params)
+    with pytest.raises(ValueError, match="non-empty"):
+        engine.submit("empty", PROMPTS[0], SamplingParams(stop=("",)))
+
+
+def test_the_cache_is_sized_by_the_sequences_admitted_not_a_worst_case(model, forward):
+    """Rows for the slots in use (multiples of 8, doubling), positions for the longest prompt + max_new_tokens among
+    them (multiples of 64): not max_batch slots; grown, keeping every cached token, when more or longer come."""
+    engine = Engine(model, max_batch=64, forward=forward)
+    short, long = (SamplingParams(temperature=0.0, max_new_tokens=n) for n in (40, 70))  # budgets of <= 47, 77
+    first = [engine.submit(f"a{i}", p, short) for i, p in enumerate(PROMPTS[:3])]
+    for _ in range(20):
+        engine.step()
+    assert tuple(engine.kv.shape[2::2]) == (8, 64)
+    later = [engine.submit(f"b{i}", p, long) for i, p in enumerate(PROMPTS * 3)]
+    while not engine.idle():
+        engine.step()
+    assert tuple(engine.kv.shape[2::2]) == (16, 128)  # 15 slots
+    for seq in first + later:
+        assert seq.token_ids == hf_greedy(model, seq.prompt_ids, seq.params.max_new_tokens)
+
+
+def test_cache_mb_runs_fewer_sequences_at_once_and_keeps_the_cache_within_it(model, forward):
+    """1 MB holds 32 slots of 64 positions of this model: 32 run at once, never more cache than that, each as it
+    would alone; a lone sequence needing more than the budget still runs."""
+    engine = Engine(model, max_batch=64, forward=forward, cache_mb=1)
+    layers, kv_heads, head_dim = engine.kv_shape
+    positions = (1 << 20) // (2 * layers * kv_heads * head_dim * 4)  # float32 keys and values
+    assert engine.cache_positions == positions == 32 * 64
+    params = SamplingParams(temperature=0.0, max_new_tokens=40)  # budgets of <= 47: 64 positions each
+    seqs = [engine.submit(f"s{i}", PROMPTS[i % 4], params) for i in range(37)]
+    most = 0
+    while not engine.idle():
+        engine.step()
+        most = max(most, len(engine.slots))
+        assert engine.kv.shape[2] * engine.kv.shape[-2] <= positions
+    assert most == 32
+    for seq in seqs:
+        assert seq.token_ids == hf_greedy(model, seq.prompt_ids, 40)
+    lone = Engine(model, forward=forward, cache_mb=1)
+    lone.cache_positions = 64  # a budget below one sequence's 128 positions
+    long = generate_all(lone, [PROMPTS[1], PROMPTS[0]], SamplingParams(temperature=0.0, max_new_tokens=100))
+    assert [len(seq.token_ids) for seq in long] == [100, 100] and lone.kv.shape[2] == 1  # one at a time

@@ -70,5 +70,7 @@ def test_the_rows_carry_their_tests_for_data_reward_code():
     config = resolve(load_config(None, ["data.task=code", "data.reward=code"]))
     rows, bad = load_rows(config)
     assert not bad and all(row.metadata["tests"] == hidden_tests(parse(row.answer)) for row in rows)
-    with pytest.raises(ConfigError, match=r"use builtin, math, code, path/to/file\.py:function or module:function"):
+    with pytest.raises(
+        ConfigError, match=r"use builtin, math, math-strict, code, path/to/file\.py:function or module:function"
+    ):
         resolve(load_config(None, ["data.reward=nosuch"]))

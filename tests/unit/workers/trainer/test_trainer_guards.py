@@ -98,10 +98,11 @@ def guard_config(tmp_path, model_dir, steps: int, overrides=()):
     return resolve(load_config(None, overrides))
 
 
-async def send_groups(transport: MemoryTransport, rewards, first: int = 0) -> None:
-    """Groups p<first>, p<first + 1>, ... released at version 0 and scored, one per (reward, reward) pair."""
+async def send_groups(transport: MemoryTransport, rewards, first: int = 0, finish=None) -> None:
+    """Groups p<first>, p<first + 1>, ... released at version 0 and scored, one per (reward, reward) pair; `finish`:
+    a (finish reason, finish reason) pair per group (default: both stopped)."""
     async with transport.outbox() as outbox:
-        for n, pair in enumerate(rewards, start=first):
+        for n, pair, reasons in zip(itertools.count(first), rewards, finish or [("stop", "stop")] * len(rewards)):
             group = PromptGroup(
                 prompt_id=f"p{n}", row_index=n, epoch=0, release_index=n, released_at_version=0, prompt_text="47+8=",
                 prompt_tokens=[7, 10, 13], answer="55", n_samples=2,
@@ -109,7 +110,13 @@ async def send_groups(transport: MemoryTransport, rewards, first: int = 0) -> No
             await outbox.send_now("prompts", group, key=group.prompt_id)
             for sample, reward in enumerate(pair):
                 completion = [5 + sample, 6, 1]  # the same answer twice, at rewards 0 and 1, would train nothing
-                record = scored(group=group, sample=sample, reward=reward, completion_tokens=completion)
+                record = scored(
+                    group=group,
+                    sample=sample,
+                    reward=reward,
+                    completion_tokens=completion,
+                    finish_reason=reasons[sample],
+                )
                 await outbox.send_now("scored", record, key=group.prompt_id)
 
 
@@ -138,6 +145,19 @@ async def test_trainer_loop_skips_non_finite_steps_yet_publishes_every_version(t
     assert all(unchanged(initial, version) for version in later)  # published, with the weights never changed
     lines = [json.loads(line) for line in (runtime.run_dir(config) / "metrics.jsonl").read_text().splitlines()]
     assert [(line["step"], line["skipped_updates"], line["skipped_steps"]) for line in lines] == [(1, 1, 1), (2, 1, 2)]
+
+
+async def test_the_metrics_count_the_trajectories_cut_at_the_output_budget(tmp_path, demo_model_dir):
+    """`truncated`: a step's trajectories that ended at rollout.max_new_tokens; `truncated_trajectories`: the run's."""
+    transport = MemoryTransport(TopicLayout())
+    config = guard_config(tmp_path, demo_model_dir, 2, ())
+    await send_groups(transport, [(0.0, 1.0)] * 2, finish=[("length", "stop"), ("length", "length")])
+    await asyncio.wait_for(trainer_worker.main(config, asyncio.Event(), transport), 60)
+    lines = [json.loads(line) for line in (runtime.run_dir(config) / "metrics.jsonl").read_text().splitlines()]
+    assert [(line["step"], line["truncated"], line["truncated_trajectories"]) for line in lines] == [
+        (1, 1, 1),
+        (2, 2, 3),
+    ]
 
 
 async def test_a_version_is_announced_after_its_manifest_and_after_the_version_before(
