@@ -22,7 +22,7 @@ from __future__ import annotations
 import random
 import re
 
-from workers.tasks.base import Problem, Task
+from workers.tasks.base import DemoRecipe, Problem, Task
 
 STEP_WEIGHTS = {1: 0.34, 2: 0.33, 3: 0.18, 4: 0.15}  # problems by number of steps
 PROBLEMS = 6000  # distinct problems drawn (the held-out split is cut from them)
@@ -128,9 +128,21 @@ def final_number(completion: str) -> float | None:
         return None
 
 
+def characters() -> str:
+    """Every character a problem or its worked answer can hold (the demo tokenizer's vocabulary): the words, the
+    capitals of "She" and "He", the digits; a placeholder's name adds a few letters of no harm."""
+    words = [*(w for person in PEOPLE for w in person), *ITEMS, *OPENINGS, *ADD, *TAKE, *TIMES, *SHARE, *QUESTIONS]
+    return "".join(sorted(set("".join(words) + INSTRUCTION + "SH0123456789")))
+
+
 class WordMath(Task):
+    """Meant for a pretrained model (`model.path`); the character-level demo model runs it too, and learns
+    little more than to box a number."""
+
     name = "wordmath"
+    alphabet = characters()
     max_new_tokens = 256
+    demo = DemoRecipe(positions=640)  # the longest prompt (371 characters) and a full completion
 
     def problems(self, seed: int) -> list[Problem]:
         """PROBLEMS distinct word problems, the same set for every seed (the seed shuffles the split)."""
