@@ -1,15 +1,18 @@
 """`wordmath`, word problems for a pretrained chat model: 1 to 4 steps of everyday arithmetic, in words.
 
-    prompt      "Mia has 12 marbles. She buys 5 more. Then she gives 3 to a friend. How many marbles does Mia
-                 have now? Give the final answer as a number in \\boxed{}."
+    prompt      "Mia has 12 marbles. She buys 5 more marbles. Then she loses 3 marbles. How many marbles does
+                 Mia have now? Give the final answer as a number in \\boxed{}."
     answer      "14"
 
-Each step adds, takes away, multiplies or shares equally, each said in several ways (and the opening and
-the question too), with small whole numbers throughout so that a 135M-parameter model's arithmetic is
-rarely the whole difficulty: reading which operation the words mean is. The steps are mixed, a third of
-the problems one step and the rest two to four, so that a group of samples is seldom all wrong (no signal)
-on a model that gets ~20 % of two-step problems right, while the longer ones leave room to climb; the
-worked answers of a chat model grow with the steps, long-tailed.
+Each step adds, takes away, doubles, triples or halves, each said in a few ways (and the opening and the
+question too), with whole numbers from 2 to 15 at the start and below ~100 throughout. SmolLM2-135M-Instruct
+(4-bit, dequantized) often gets even one subtraction wrong ("10 - 6 = 2"), and wider numbers, "3 times that
+many" or "shares equally among 4 and keeps one share" took its held-out greedy accuracy down to 0.04, pass@4
+0.12 (`asyncrl eval`, 50 problems, k 4, T 0.7; 2 shared cores of an Intel Xeon, 2026-11-28): too few right
+samples for RL: hence the plain operations and small numbers. The
+steps are mixed, 40 % of the problems one step and the rest two to four, so that a group of samples is seldom
+all wrong (no signal), while the longer ones leave room to climb; a chat model's worked answers grow with the
+steps, long-tailed.
 
 The verifier takes the last \\boxed{} answer, else the last number written (SmolLM2-135M-Instruct never
 boxes unasked, and seldom when asked), and compares it with the reference as a number: "The answer is 14."
@@ -24,7 +27,7 @@ import re
 
 from workers.tasks.base import DemoRecipe, Problem, Task
 
-STEP_WEIGHTS = {1: 0.34, 2: 0.33, 3: 0.18, 4: 0.15}  # problems by number of steps
+STEP_WEIGHTS = {1: 0.4, 2: 0.3, 3: 0.18, 4: 0.12}  # problems by number of steps
 PROBLEMS = 6000  # distinct problems drawn (the held-out split is cut from them)
 GENERATOR_SEED = 20_490  # the problem set's own: fixed, whatever the run's seed
 INSTRUCTION = "Give the final answer as a number in \\boxed{}."
@@ -37,71 +40,52 @@ PEOPLE = [
     ("Nora", "she", "her"), ("Ben", "he", "his"), ("Ines", "she", "her"), ("Tom", "he", "his"),
 ]  # fmt: skip
 ITEMS = ["apples", "marbles", "stickers", "cookies", "pencils", "coins", "books", "stamps", "shells", "cards"]
-OPENINGS = [
-    "{name} has {n} {items}.",
-    "{name} starts with {n} {items}.",
-    "At first, {name} owns {n} {items}.",
-    "There are {n} {items} in {name}'s bag.",
-    "{name} collected {n} {items}.",
-]
+OPENINGS = ["{name} has {n} {items}.", "{name} starts with {n} {items}.", "At first, {name} has {n} {items}."]
 ADD = [
-    "{She} buys {k} more.",
-    "Then a friend gives {her} {k} more {items}.",
+    "{She} buys {k} more {items}.",
+    "A friend gives {her} {k} more {items}.",
     "{She} finds {k} more {items}.",
-    "Later {she} gets another {k}.",
-    "{Her} aunt adds {k} {items} to the pile.",
+    "Then {she} gets {k} more.",
 ]
 TAKE = [
     "{She} gives {k} {items} to a friend.",
-    "Then {she} loses {k} of them.",
+    "Then {she} loses {k} {items}.",
+    "{She} sells {k} of them.",
     "{She} uses {k} {items}.",
-    "Later {she} sells {k}.",
-    "{k} of the {items} get lost.",
 ]
-TIMES = [
-    "Then the number of {items} becomes {k} times as large.",
-    "{She} ends up with {k} times as many {items} as before.",
-    "A week later {she} has {k} times that many.",
-]
-SHARE = [
-    "{She} shares the {items} equally among {k} friends and keeps one share.",
-    "{She} splits them into {k} equal groups and keeps one group.",
-    "Then {she} puts them into {k} equal boxes and keeps only one box.",
-]
+DOUBLE = ["Then {she} doubles the number of {items}.", "{Her} {items} double."]
+TRIPLE = ["Then {she} triples the number of {items}.", "{Her} {items} triple."]
+HALVE = ["{She} gives half of {her} {items} to a friend.", "Then {she} loses half of them."]
 QUESTIONS = [
     "How many {items} does {name} have now?",
     "How many {items} does {name} end up with?",
-    "How many {items} are left?",
-    "What is the number of {items} {name} has at the end?",
+    "How many {items} does {name} have at the end?",
 ]
 
 
 def next_step(rng: random.Random, total: int) -> tuple[list[str], int]:
-    """(phrasings, new total) of one step that keeps the total a whole number from 1 to ~200."""
+    """(phrasings, new total) of one step that keeps the total a whole number from 1 to ~100."""
     choices = ["add", "take"] if total > 1 else ["add"]
-    if total <= 25:
+    if total <= 12:
         choices.append("times")
-    divisors = [k for k in range(2, 6) if total % k == 0]
-    if divisors:
-        choices.append("share")
+    if total % 2 == 0:
+        choices.append("halve")
     kind = rng.choice(choices)
     if kind == "add":
-        k = rng.randint(2, 20)
+        k = rng.randint(1, 10)
         return [t.replace("{k}", str(k)) for t in ADD], total + k
     if kind == "take":
         k = rng.randint(1, total - 1)
         return [t.replace("{k}", str(k)) for t in TAKE], total - k
     if kind == "times":
-        k = rng.randint(2, 4)
-        return [t.replace("{k}", str(k)) for t in TIMES], total * k
-    k = rng.choice(divisors)
-    return [t.replace("{k}", str(k)) for t in SHARE], total // k
+        return (DOUBLE, total * 2) if rng.random() < 0.6 else (TRIPLE, total * 3)
+    return HALVE, total // 2
 
 
 def word_problem(rng: random.Random) -> Problem:
     name, she, her = rng.choice(PEOPLE)
     items = rng.choice(ITEMS)
-    total = rng.randint(2, 30)
+    total = rng.randint(2, 15)
     sentences = [rng.choice(OPENINGS).replace("{n}", str(total))]
     steps = rng.choices(list(STEP_WEIGHTS), weights=list(STEP_WEIGHTS.values()))[0]
     for _ in range(steps):
@@ -131,7 +115,17 @@ def final_number(completion: str) -> float | None:
 def characters() -> str:
     """Every character a problem or its worked answer can hold (the demo tokenizer's vocabulary): the words, the
     capitals of "She" and "He", the digits; a placeholder's name adds a few letters of no harm."""
-    words = [*(w for person in PEOPLE for w in person), *ITEMS, *OPENINGS, *ADD, *TAKE, *TIMES, *SHARE, *QUESTIONS]
+    words = [
+        *(w for person in PEOPLE for w in person),
+        *ITEMS,
+        *OPENINGS,
+        *ADD,
+        *TAKE,
+        *DOUBLE,
+        *TRIPLE,
+        *HALVE,
+        *QUESTIONS,
+    ]
     return "".join(sorted(set("".join(words) + INSTRUCTION + "SH0123456789")))
 
 
