@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # each 20-90 s on 2 cores; the import ~1-2.5 min once
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]  # 10-30 s each on 2 shared cores, after a 40 s import
 
 
 def asyncrl(*words: str, timeout: float = 180) -> subprocess.CompletedProcess:
