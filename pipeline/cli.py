@@ -9,12 +9,26 @@ import sys
 
 from pipeline import slurm
 from pipeline.chaos import cli as chaos
-from pipeline.commands import bench, broker, export, gpu_check, prepare, replay, topics, worker
+from pipeline.commands import bench, broker, export, gpu_check, model, prepare, replay, topics, worker
 from pipeline.commands import eval as evaluate
 from pipeline.commands import run as run_command
 from schemas.errors import ConfigError
 
-COMMANDS = (run_command, prepare, worker, broker, evaluate, export, topics, replay, bench, gpu_check, slurm, chaos)
+COMMANDS = (
+    run_command,
+    prepare,
+    worker,
+    broker,
+    evaluate,
+    export,
+    model,
+    topics,
+    replay,
+    bench,
+    gpu_check,
+    slurm,
+    chaos,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

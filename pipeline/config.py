@@ -16,6 +16,7 @@ import msgspec
 import yaml
 from msgspec.structs import replace
 
+from pipeline.model_cache import model_path
 from schemas.config import AUTO, RunConfig
 from schemas.errors import ConfigError
 from workers.cores import cores_here, split_cores
@@ -198,6 +199,7 @@ def resolve(config: RunConfig) -> RunConfig:
         rollout = replace(rollout, max_new_tokens=task.max_new_tokens)
     if rollout.cache_lag == AUTO:
         rollout = replace(rollout, cache_lag=0 if rollout.backend == "vllm" else 1)
+    model = replace(model, path=model_path(model.path))  # an imported model's short name: its directory
     if model.warmup_steps == AUTO:
         model = replace(model, warmup_steps=task.demo.warmup_max_steps)
     if model.dtype == AUTO:

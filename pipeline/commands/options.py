@@ -12,7 +12,9 @@ if TYPE_CHECKING:
 def add_config_arguments(parser: argparse.ArgumentParser, overrides_help: str) -> None:
     """A run config (a YAML file or a shipped config's name) and dotted overrides after it."""
     parser.add_argument(
-        "config", nargs="?", help="YAML run config, or a shipped one by name: arith (the default, the demo), chain"
+        "config",
+        nargs="?",
+        help="YAML run config, or a shipped one by name: arith (the default, the demo), chain, code, smollm2-math",
     )
     parser.add_argument("overrides", nargs="*", help=overrides_help)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import msgspec
 
 from pipeline.config import ConfigError, derived_weights_dir, load_config, resolve, save_config
+from pipeline.model_cache import model_path
 from schemas.config import AUTO, RunConfig
 from workers import runtime
 
@@ -49,9 +50,13 @@ def link_latest(run_dir: Path) -> None:
 
 
 def check_dataset(config: RunConfig) -> None:
-    """Fail before anything starts when the dataset has no usable row (bad rows alone go to dead-letter)."""
+    """Fail before anything starts when the dataset has no usable row (bad rows alone go to dead-letter), or
+    the model is a short name not imported yet."""
     from workers.rows import load_rows
 
+    config = msgspec.structs.replace(
+        config, model=msgspec.structs.replace(config.model, path=model_path(config.model.path))
+    )
     try:
         rows, bad = load_rows(config)
     except OSError as exc:
