@@ -56,14 +56,14 @@ demo-real: install-real
 	$(BIN)/asyncrl run smollm2-math
 
 # everything but the tests marked `docker` (compose-test)
-test: install-test
+test: install-test system-deps
 	$(BIN)/python -m pytest -q -m "not docker and not chaos" --durations=30
 
 # the quick loop (~20 s on 2 cores): tests/unit, less anything marked e2e or slow
 test-unit: install-test
 	$(BIN)/python -m pytest -q tests/unit -m "not e2e and not slow"
 
-# the Debian packages of the tests `make test` runs; CI (.ci/run, root) calls it before `make test`
+# the Debian packages of the tests `make test` runs (it calls this first): installed as root, else only listed
 system-deps:
 	$(call apt_install,$(TEST_PACKAGES))
 

@@ -89,6 +89,17 @@ async def run_until(main: Awaitable[None], stop: asyncio.Event, done: Callable[[
         await asyncio.wait_for(task, 10)
 
 
+async def score(config: RunConfig, transport: MemoryTransport, segments: list, count: int) -> list[Scored]:
+    """The segments sent, then the reward loop run until `count` trajectories are scored; those scored."""
+    async with transport.outbox() as outbox:
+        for message in segments:
+            await outbox.send("segments", message, key="k")
+    stop = asyncio.Event()
+    scored = lambda: transport.broker.messages("scored", Scored)  # noqa: E731
+    await run_until(reward_worker.main(config, stop, transport), stop, lambda: len(scored()) == count)
+    return scored()
+
+
 async def test_reward_loop_first_finished_attempt_wins_and_poison_goes_to_dead_letter(tmp_path, model_dir):
     tokenizer = build_tokenizer(model_dir)
     config = config_for(tmp_path, model_dir, "data.n_samples=2", INLINE_SCORING)
@@ -134,14 +145,7 @@ async def test_reward_loop_joins_the_loss_masks_of_tool_segments(tmp_path, model
         text_segment(tokenizer, "5", trajectory_id="e0-r1/1", attempt="a:1", version=3, finish_reason="interrupted", group=GROUP),
         text_segment(tokenizer, "4", trajectory_id="e0-r1/1", attempt="a:1", segment_index=1, version=4),
     ]  # fmt: skip
-    async with transport.outbox() as outbox:
-        for message in segments:
-            await outbox.send("segments", message, key="k")
-    stop = asyncio.Event()
-    scored = lambda: transport.broker.messages("scored", Scored)  # noqa: E731
-    await run_until(reward_worker.main(config, stop, transport), stop, lambda: len(scored()) == 2)
-
-    tool, plain = sorted(scored(), key=lambda s: s.trajectory_id)
+    tool, plain = sorted(await score(config, transport, segments, 2), key=lambda s: s.trajectory_id)
     five, eos = tokenizer("5")["input_ids"][0], tokenizer.eos_token_id
     assert (tool.completion_tokens, tool.loss_mask, tool.versions) == ([five, five, eos], [1, 0, 1], [3, 3, 4])
     assert (tool.logprobs, tool.completion_text, tool.reward) == ([-0.5, 0.0, -0.5], "55", 1.0)  # "5" alone: 0
@@ -157,12 +161,7 @@ async def test_reward_loop_commits_nothing_past_an_unfinished_attempt(tmp_path, 
         text_segment(tokenizer, "5", trajectory_id="e0-r1/0", attempt="a:0", version=3, finish_reason="interrupted", group=GROUP),
         text_segment(tokenizer, "55", trajectory_id="e0-r1/1", attempt="a:1", version=3, group=GROUP),
     ]  # fmt: skip
-    async with transport.outbox() as outbox:
-        for message in segments:
-            await outbox.send("segments", message, key="k")
-    stop = asyncio.Event()
-    scored = lambda: transport.broker.messages("scored", Scored)  # noqa: E731
-    await run_until(reward_worker.main(config, stop, transport), stop, lambda: len(scored()) == 1)
+    await score(config, transport, segments, 1)
     # offset 0 (an attempt still waiting for its end) is not processed: a restart must read it again
     assert transport.broker.committed[("reward", transport.layout.name("segments"))] == {0: 0}
 
