@@ -19,7 +19,7 @@ from msgspec.structs import replace
 from pipeline.model_cache import model_path
 from schemas.config import AUTO, RunConfig
 from schemas.errors import ConfigError
-from workers.cores import cores_here, split_cores
+from workers.cores import auto_dtype, cores_here, split_cores
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -203,7 +203,7 @@ def resolve(config: RunConfig) -> RunConfig:
     if model.warmup_steps == AUTO:
         model = replace(model, warmup_steps=task.demo.warmup_max_steps)
     if model.dtype == AUTO:
-        model = replace(model, dtype="bfloat16" if model.device.startswith("cuda") else "float32")
+        model = replace(model, dtype=auto_dtype(model.device, pretrained=bool(model.path)))
     data = replace(data, eval_source=data.eval_source_or_default())
     if broker.fetch_wait_ms == AUTO:
         broker = replace(broker, fetch_wait_ms=20 if trainer.max_staleness == 0 else 50)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pipeline.config import ConfigError, load_config
 from schemas.config import DataConfig, RewardConfig, RunConfig
+from workers.cores import auto_dtype
 from workers.evaluator.rows import file_rows, task_rows
 from workers.evaluator.scoring import EvalSettings, Evaluator, RewardCalls, write_rows
 from workers.rows import Row
@@ -239,8 +240,8 @@ def eval_settings(args: argparse.Namespace, run: RunConfig | None, task: str, re
 
 
 def device_and_dtype(args: argparse.Namespace, run: RunConfig | None) -> tuple[str, str]:
-    """--device, else the run's, else cuda when there is one; --dtype, else the run's on its device, else
-    bfloat16 on CUDA and float32 on CPU (as model.dtype=auto resolves)."""
+    """--device, else the run's, else cuda when there is one; --dtype, else the run's on its device, else as
+    model.dtype=auto resolves (`auto_dtype`)."""
     import torch
 
     device = args.device or (run.model.device if run else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -248,7 +249,7 @@ def device_and_dtype(args: argparse.Namespace, run: RunConfig | None) -> tuple[s
         return device, args.dtype
     if run and device == run.model.device and run.model.dtype != "auto":
         return device, run.model.dtype
-    return device, "bfloat16" if device.startswith("cuda") else "float32"
+    return device, auto_dtype(device, pretrained=bool(args.model or (run and run.model.path)))
 
 
 def set_threads(threads: int) -> None:

@@ -223,7 +223,8 @@ def run_locally(config: RunConfig, progress: bool, stops: StopSignals, resumed_f
     with run_dir_lock(run_dir):  # a second launcher of this run (a --resume too early) stops here
         link_latest(run_dir)  # from its start: `--resume runs/latest` after a stop in the warm-up finds this one
         resumed = "" if resumed_from is None else f", resumed from the checkpoint of step {resumed_from}"
-        print(f"asyncrl: run directory {run_dir}{resumed}", file=sys.stderr)
+        precision = f"{config.model.dtype} on {config.model.device}"  # model.dtype=auto's choice, said once
+        print(f"asyncrl: run directory {run_dir}{resumed}; {precision}", file=sys.stderr)
         # before the broker and the model: a W&B problem (no login) shows at once; W&B gets the config as given
         wandb_stream = monitor.WandbStream(config, run_dir) if config.telemetry.wandb_project else None
         run, stopped = LocalRun(config, run_dir, resumed_from, started=started), None

@@ -7,7 +7,7 @@ from msgspec.structs import replace
 
 from pipeline.config import load_config, on_one_machine, resolve
 from schemas.config import LauncherState
-from workers.cores import split_cores
+from workers.cores import auto_dtype, native_bf16_cpu, split_cores
 
 
 @pytest.mark.parametrize(
@@ -52,3 +52,31 @@ def test_automatic_threads_are_resolved_from_the_launcher_s_cores_and_given_ones
     assert on_one_machine(load_config()).launcher.cores == len(os.sched_getaffinity(0))  # asyncrl run: its own
     deployment = resolve(load_config(None, []))  # cores 0: compose or Slurm replicas, whose cores are unknown here
     assert (deployment.trainer.threads, deployment.rollout.threads) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("flags", "native"),
+    [("fpu avx2 avx512f avx512_bf16", True), ("fpu avx2 amx_bf16 amx_tile", True), ("fpu avx2 avx512f", False)],
+)
+def test_native_bf16_is_read_from_the_cpu_flags(tmp_path, flags, native):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nmodel name\t: a CPU\nflags\t\t: {flags}\n")
+    assert native_bf16_cpu(str(cpuinfo)) is native
+    assert native_bf16_cpu(str(tmp_path / "absent")) is False  # not Linux: float32, never the slow choice
+
+
+@pytest.mark.parametrize(
+    ("device", "pretrained", "native", "expected"),
+    [
+        ("cuda", False, False, "bfloat16"),
+        ("cuda:1", True, False, "bfloat16"),
+        ("cpu", True, True, "bfloat16"),
+        ("cpu", True, False, "float32"),
+        ("cpu", False, True, "float32"),  # the demo model: float32 everywhere on a CPU
+    ],
+)
+def test_auto_dtype_is_bfloat16_on_cuda_and_for_a_pretrained_model_on_a_native_bf16_cpu(
+    monkeypatch, device, pretrained, native, expected
+):
+    monkeypatch.setattr("workers.cores.native_bf16_cpu", lambda: native)
+    assert auto_dtype(device, pretrained) == expected
