@@ -16,7 +16,7 @@ import msgspec
 import yaml
 from msgspec.structs import replace
 
-from pipeline.model_cache import model_path
+from pipeline.model_cache import model_path, model_width
 from schemas.config import AUTO, RunConfig
 from schemas.errors import ConfigError
 from workers.cores import auto_dtype, cores_here, split_cores
@@ -203,7 +203,7 @@ def resolve(config: RunConfig) -> RunConfig:
     if model.warmup_steps == AUTO:
         model = replace(model, warmup_steps=task.demo.warmup_max_steps)
     if model.dtype == AUTO:
-        model = replace(model, dtype=auto_dtype(model.device, pretrained=bool(model.path)))
+        model = replace(model, dtype=auto_dtype(model.device, model_width(model.path) if model.path else 0))
     data = replace(data, eval_source=data.eval_source_or_default())
     if broker.fetch_wait_ms == AUTO:
         broker = replace(broker, fetch_wait_ms=20 if trainer.max_staleness == 0 else 50)

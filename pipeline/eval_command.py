@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.config import ConfigError, load_config
+from pipeline.model_cache import model_path, model_width
 from schemas.config import DataConfig, RewardConfig, RunConfig
 from workers.cores import auto_dtype
 from workers.evaluator.rows import file_rows, task_rows
@@ -93,8 +94,6 @@ def run_config(run_dir: str) -> RunConfig:
 
 def model_dir(given: str) -> str:
     """A model directory, or an imported model's short name (`--model smollm2`)."""
-    from pipeline.model_cache import model_path
-
     path = model_path(given)
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(f"--model {path}: not a Hugging Face model directory (no config.json)")
@@ -249,7 +248,8 @@ def device_and_dtype(args: argparse.Namespace, run: RunConfig | None) -> tuple[s
         return device, args.dtype
     if run and device == run.model.device and run.model.dtype != "auto":
         return device, run.model.dtype
-    return device, auto_dtype(device, pretrained=bool(args.model or (run and run.model.path)))
+    model = args.model or (run.model.path if run else "")
+    return device, auto_dtype(device, model_width(model_path(model)) if model else 0)
 
 
 def set_threads(threads: int) -> None:

@@ -9,6 +9,7 @@ machine. Light on purpose: the config's `resolve` imports it, and no torch.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,17 @@ def model_path(path: str) -> str:
     if path in SHIPPED:
         raise ConfigError(f"model.path={path}: not imported yet; run `asyncrl model import {path}`{install_hint(path)}")
     return path  # neither: preflight says there is no model there
+
+
+def model_width(path: str) -> int:
+    """The hidden size its config.json gives the model at `path` (a multimodal model's text one); 0 when there
+    is no model there yet (the demo's, built later) or the config names none."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    width = config.get("hidden_size") or config.get("text_config", {}).get("hidden_size") or 0
+    return width if isinstance(width, int) else 0
 
 
 def install_hint(name: str) -> str:

@@ -58,10 +58,14 @@ def native_bf16_cpu(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def auto_dtype(device: str, pretrained: bool) -> str:
-    """What model.dtype=auto becomes: bfloat16 on CUDA, and for a pretrained model on a CPU with native
-    bfloat16 (its matmuls dominate); float32 elsewhere, and for the demo model, whose tiny matmuls gain
-    nothing while float32 keeps its runs exactly reproducible."""
+BF16_MIN_WIDTH = 512  # hidden size from which bfloat16 matmuls pay on a CPU; narrower models are overhead-bound
+
+
+def auto_dtype(device: str, width: int) -> str:
+    """What model.dtype=auto becomes for a model of hidden size `width` (0: not built yet, the demo's): bfloat16
+    on CUDA, and on a CPU with native bfloat16 for a model wide enough that its matmuls dominate
+    (`BF16_MIN_WIDTH`); float32 elsewhere, and for the tiny demo and test models, which gain nothing while
+    float32 keeps their runs exactly reproducible."""
     if str(device).startswith("cuda"):
         return "bfloat16"
-    return "bfloat16" if pretrained and native_bf16_cpu() else "float32"
+    return "bfloat16" if width >= BF16_MIN_WIDTH and native_bf16_cpu() else "float32"

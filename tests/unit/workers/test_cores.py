@@ -66,17 +66,18 @@ def test_native_bf16_is_read_from_the_cpu_flags(tmp_path, flags, native):
 
 
 @pytest.mark.parametrize(
-    ("device", "pretrained", "native", "expected"),
+    ("device", "width", "native", "expected"),
     [
-        ("cuda", False, False, "bfloat16"),
-        ("cuda:1", True, False, "bfloat16"),
-        ("cpu", True, True, "bfloat16"),
-        ("cpu", True, False, "float32"),
-        ("cpu", False, True, "float32"),  # the demo model: float32 everywhere on a CPU
+        ("cuda", 0, False, "bfloat16"),
+        ("cuda:1", 576, False, "bfloat16"),
+        ("cpu", 576, True, "bfloat16"),  # SmolLM2-135M on a CPU with native bfloat16
+        ("cpu", 576, False, "float32"),
+        ("cpu", 192, True, "float32"),  # the demo model: overhead-bound, float32 everywhere on a CPU
+        ("cpu", 0, True, "float32"),  # no model yet (the demo's is built later)
     ],
 )
-def test_auto_dtype_is_bfloat16_on_cuda_and_for_a_pretrained_model_on_a_native_bf16_cpu(
-    monkeypatch, device, pretrained, native, expected
+def test_auto_dtype_is_bfloat16_on_cuda_and_for_a_wide_model_on_a_native_bf16_cpu(
+    monkeypatch, device, width, native, expected
 ):
     monkeypatch.setattr("workers.cores.native_bf16_cpu", lambda: native)
-    assert auto_dtype(device, pretrained) == expected
+    assert auto_dtype(device, width) == expected
