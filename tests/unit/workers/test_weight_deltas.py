@@ -195,3 +195,21 @@ def test_read_whole_version_from_disk(tmp_path):
     publish_all(tmp_path, weight_sets)
     assert same_bits(wd.read_whole_version(tmp_path, 6), weight_sets[6])
     assert same_bits(wd.read_whole_version(tmp_path, 4), weight_sets[4])
+
+
+def test_the_engine_loads_delta_versions_and_refuses_a_broken_one(tmp_path):
+    """The torch engine reads through its chain: it ends on a version's exact bits, and a delta whose result
+    does not hash as announced leaves its weights as they were."""
+    from workers.rollout.engine import Engine
+
+    model = tiny_model()
+    weight_sets = [{n: t.float() for n, t in s.items()} for s in versions(4)]
+    published = publish_all(tmp_path, weight_sets, whole_every=8)
+    engine = Engine(model, max_batch=2, version=0, chain=wd.ChainReader(retain=True))
+    engine.update_weights(announced(published[1], 1))
+    engine.update_weights(announced(published[3], 3))  # missed v2: rebuilt from the files
+    assert same_bits(unique_state_dict(model), weight_sets[3]) and engine.version == 3
+    forged = WeightsFile(published[2].path, 4, published[3].sha256, 3)
+    with pytest.raises(WeightsError):
+        engine.update_weights(forged)
+    assert same_bits(unique_state_dict(model), weight_sets[3]) and engine.version == 3
