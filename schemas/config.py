@@ -261,6 +261,14 @@ class CheckpointConfig(Section):
         int, doc("checkpoints kept; `asyncrl replay retrain --step N` needs one from before step N", ge=1)
     ] = 2
     keep_versions: Annotated[int, doc("weight versions kept on shared storage", ge=2)] = 4
+    whole_every: Annotated[
+        int,
+        doc(
+            "every K-th version is written whole, the others as deltas against the version before (the elements "
+            "that changed: ~6 % of a whole bf16 version); 1 = whole versions only (docs: Weights and versions)",
+            ge=1,
+        ),
+    ] = 1
     weights_dir: Annotated[str, doc("shared storage for weight versions; auto = <run dir>/weights", min_length=1)] = (
         AUTO
     )

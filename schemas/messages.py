@@ -8,9 +8,10 @@ The struct's name travels in the `schema` message header so that replay tools ca
 decode any topic.
 
 Versions: 1, the first; 2 adds `loss_mask` to `Segment` and `Scored`, `tool_calls`
-to `Scored` and the finish reason "tool"; 3 adds `groups_skipped` to `WeightVersion`.
-This build reads all three (an older record is a version 3 record with the new fields
-at their defaults: replay of old exports and topics) and writes 3.
+to `Scored` and the finish reason "tool"; 3 adds `groups_skipped` to `WeightVersion`; 4 adds
+`base_version` to `WeightVersion` (delta versions: a reader that does not know it must not load one).
+This build reads all four (an older record is a version 4 record with the new fields
+at their defaults: replay of old exports and topics) and writes 4.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from typing import Literal
 
 import msgspec
 
-SCHEMA_VERSION = 3
-READABLE_VERSIONS: frozenset[int] = frozenset({1, 2, 3})  # what `validate.decode` accepts (module docstring)
+SCHEMA_VERSION = 4
+READABLE_VERSIONS: frozenset[int] = frozenset({1, 2, 3, 4})  # what `validate.decode` accepts (module docstring)
 
 # "interrupted": a new policy version cut the segment; "tool": the model's turn ended at a tool call and the
 # tool's output follows in the same segment. Both are non-terminal: more segments of the same attempt follow.
@@ -130,7 +131,9 @@ class WeightVersion(Message, kw_only=True):
 
     version: int  # trainer: number of optimizer steps behind these weights (0 = initial)
     uri: str  # trainer: path of the safetensors file on shared storage; rollout loads it
-    content_hash: str  # trainer: sha256 of the file; every reader verifies it before loading
+    content_hash: str  # trainer: sha256 of the version's whole file; every reader verifies it before loading
+    base_version: int = -1  # trainer: -1, `uri` is the whole version; else `uri` is a delta against this version
+    # and `content_hash` the hash of the whole file it makes; rollout: applies the chain (workers.weight_deltas)
     step: int  # trainer: the step that produced the version
     groups_consumed: int  # trainer: groups trained so far
     groups_dropped: int  # trainer: groups dropped so far; source: widens the staleness window

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from schemas.messages import WeightVersion, encode
 from topics.transport import Delivery
+from workers.weight_deltas import read_delta
 from workers.weights import WeightsError, verify
 
 KEY_FILE = "run.key"
@@ -76,7 +77,8 @@ def signature_problem(key: bytes | None, announcement: WeightVersion, headers: l
 @dataclass(frozen=True)
 class AnnouncementCheck:
     """What a `WeightsFollower` asks of an announcement before it takes it: the trainer's signature, then
-    the file (its sha256 with `verify_file`, else that it exists: a loader verifies the hash itself)."""
+    the file (its sha256 with `verify_file`, a delta's its payload's, else that it exists: a loader verifies the
+    hash itself)."""
 
     key: bytes | None
     verify_file: bool = True
@@ -89,7 +91,10 @@ class AnnouncementCheck:
             exists = Path(announced.uri).is_file()
             return None if exists else f"weights v{announced.version}: {announced.uri} does not exist"
         try:
-            verify(announced.uri, announced.content_hash, announced.version)
+            if announced.base_version >= 0:  # a delta: its payload's own hash; a loader checks the result's
+                read_delta(Path(announced.uri), announced.version)
+            else:
+                verify(announced.uri, announced.content_hash, announced.version)
         except (WeightsError, OSError) as error:
             return str(error)
         return None

@@ -48,6 +48,16 @@ def version_path(weights_dir: Path, version: int) -> Path:
     return weights_dir / f"v{version:06d}.safetensors"
 
 
+def delta_path(weights_dir: Path, version: int) -> Path:
+    """Where version `version`'s delta file lives, when it was published as a delta (`workers.weight_deltas`)."""
+    return weights_dir / f"v{version:06d}.delta.safetensors"
+
+
+def delta_versions_on_disk(weights_dir: Path) -> list[int]:
+    """The versions published as deltas whose files are in `weights_dir`, oldest first."""
+    return sorted(int(p.name[1:7]) for p in weights_dir.glob("v*.delta.safetensors") if p.name[1:7].isdigit())
+
+
 def versions_on_disk(weights_dir: Path) -> list[int]:
     """The versions whose weights files are in `weights_dir`, oldest first."""
     return sorted(int(p.stem[1:]) for p in weights_dir.glob("v*.safetensors") if p.stem[1:].isdigit())

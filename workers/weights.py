@@ -23,7 +23,7 @@ from typing import BinaryIO
 import safetensors.torch
 import torch
 
-from workers.runtime import version_path, versions_on_disk
+from workers.runtime import delta_path, delta_versions_on_disk, version_path, versions_on_disk
 
 
 def unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -45,6 +45,7 @@ class WeightsFile:
     path: Path  # a safetensors file written by `write_version`
     version: int  # the trainer version the file holds
     sha256: str | None = None  # the announced hash: an engine given one never loads bytes that hash otherwise
+    base_version: int = -1  # -1: `path` is a whole version; else a delta against this version (`weight_deltas`)
 
 
 class WeightsError(ValueError):
@@ -185,9 +186,10 @@ def drop_versions_after(weights_dir: Path, version: int) -> list[int]:
     """Delete the weights files of versions after `version` and return those versions. A run resumed from
     an earlier checkpoint than its newest step abandoned them: no record of its topics names them, and the
     steps it trains anew write other weights (left, they would be the newest version on disk meanwhile)."""
-    abandoned = [v for v in versions_on_disk(weights_dir) if v > version]
+    abandoned = sorted(v for v in {*versions_on_disk(weights_dir), *delta_versions_on_disk(weights_dir)} if v > version)
     for newer in abandoned:
         version_path(weights_dir, newer).unlink(missing_ok=True)
+        delta_path(weights_dir, newer).unlink(missing_ok=True)  # a delta version's file (`weight_deltas`)
     return abandoned
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from pipeline.commands.options import add_device_option, add_no_progress, add_task_option
 
@@ -56,6 +57,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             description="Runs `pass` and a small checker in workers/sandbox/bwrap.py's sandbox, cold (a fresh "
             "bwrap per execution) and warm (a fork of a warm server in fresh namespaces), --executions times at "
             "each --parallelism, and the same Python alone outside it for scale; needs bwrap (package bubblewrap).",
+        )
+    )
+    add_weights_options(
+        kinds.add_parser(
+            "weights",
+            help="bytes written per weight version and seconds to publish and load it: whole vs delta",
+            description="Loads --model in float32, trains one AdamW step on random tokens, casts both versions to "
+            "bfloat16 and measures the second as a whole version and as a delta against the first "
+            "(trainer.checkpoint.whole_every): bytes, publish and load seconds, the fraction of elements changed.",
         )
     )
     bench.set_defaults(handle=handle)
@@ -230,3 +240,18 @@ def add_microbatch_options(parser: argparse.ArgumentParser) -> None:
         choices=("float32", "bfloat16"),
         help="the forwards' compute dtype (autocast; float32 master weights either way) (default: %(default)s)",
     )
+
+
+def add_weights_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=str(Path.home() / ".cache/asyncrl/models/smollm2"),
+        help="a Hugging Face model directory (default: the imported SmolLM2-135M-Instruct, %(default)s)",
+    )
+    parser.add_argument("--lr", type=float, default=5e-6, help="AdamW's learning rate (default: %(default)s)")
+    parser.add_argument("--sequences", type=int, default=4, help="random-token sequences (default: %(default)s)")
+    parser.add_argument("--length", type=int, default=64, help="tokens per sequence (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="of the tokens (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    parser.add_argument("--scratch", help="where the versions are written (default: the system's temporary dir)")
+    parser.add_argument("--out", default="runs/bench/weights.json", help="JSON results file (default: %(default)s)")

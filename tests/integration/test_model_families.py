@@ -132,8 +132,9 @@ def train(config, steps: int = STEPS) -> tuple[Trainer, object, list[PromptGroup
         prompts += released
         groups = [scored_group(g, engine, params, 100 * len(prompts) + k) for k, g in enumerate(released)]
         stats.append(trainer.train(groups))
-        path, digest = trainer.publish()
-        engine.update_weights(WeightsFile(path, trainer.state.step))
+        published = trainer.publish()
+        digest = published.sha256
+        engine.update_weights(WeightsFile(published.path, trainer.state.step))
     return trainer, engine, prompts, stats, digest
 
 

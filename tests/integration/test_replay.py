@@ -163,7 +163,7 @@ def test_tail_command_prints_json_lines(run_config: Path, capsys: pytest.Capture
     assert (record["offset"], record["key"], record["schema"]) == (1, "p/0", "Scored")
     assert record["message"]["versions"] == [4]
     assert main(["replay", "tail", "segments", "--limit", "1", "--config", str(run_config)]) == 0
-    assert "key='p/0/0'  Segment\n  schema_version: 3\n  trajectory_id" in capsys.readouterr().out
+    assert "key='p/0/0'  Segment\n  schema_version: 4\n  trajectory_id" in capsys.readouterr().out
 
 
 def test_replay_reads_an_export_file(run_config: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

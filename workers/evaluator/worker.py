@@ -63,6 +63,18 @@ def link(source: Path, target: Path) -> None:
         partial.replace(target)
 
 
+def write_whole(weights_dir: Path, version: int, target: Path) -> None:
+    """A delta version's whole file at `target`, rebuilt from its chain and checked against its whole hash (the
+    queue then holds it while its chain may be collected)."""
+    from workers.weight_deltas import read_whole_version  # torch: only where delta versions are asked for
+    from workers.weights import write_safetensors
+
+    partial = target.with_name(target.name + ".partial")
+    with open(partial, "wb") as stream:
+        write_safetensors(read_whole_version(weights_dir, version), stream, {"version": str(version)})
+    partial.replace(target)
+
+
 class EvalRequests:
     """The monitor's side of the queue: a version asked for is linked in once the trainer has written its file,
     without waiting for it; given up when a newer file shows it was deleted, or when it is not written in time."""
@@ -90,7 +102,13 @@ class EvalRequests:
         for version, deadline in sorted(self.waiting.items()):
             source = runtime.version_path(self.weights_dir, version)
             try:
-                link(source, self.queue / source.name)
+                if not source.is_file() and runtime.delta_path(self.weights_dir, version).is_file():
+                    write_whole(self.weights_dir, version, self.queue / source.name)
+                else:
+                    link(source, self.queue / source.name)
+            except ValueError as error:  # a delta chain that does not rebuild (WeightsError)
+                print(f"asyncrl eval: version {version} not queued: {error}", flush=True)
+                dropped.append(version)
             except FileNotFoundError:
                 newer = any(other.name > source.name for other in self.weights_dir.glob("v*.safetensors"))
                 if not (newer or time.monotonic() > deadline):

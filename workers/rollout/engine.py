@@ -52,7 +52,8 @@ from workers.models import avoid_cudnn_attention
 from workers.rollout.forward import Batch, Chunk, make_forward
 from workers.rollout.protocol import EngineStats, SamplingParams, Sequence, check_request, stop_cut
 from workers.rollout.sampling import SlotSampling
-from workers.weights import WeightsFile, load_into, read_verified
+from workers.weight_deltas import ChainReader
+from workers.weights import WeightsFile, load_into
 
 CAPACITY_STEP = 64  # slot capacity (positions) grows in multiples of this
 SLOT_STEP = 8  # the cache's slot rows grow in multiples of this, up to max_batch
@@ -120,12 +121,15 @@ class Engine:
         cache_lag: int = 0,
         tokenizer=None,
         cache_mb: int = 0,
+        chain: ChainReader | None = None,
     ):
         """`cache_lag`: versions a running sequence's cache may lag the weights before an update recomputes it
         (`update_weights`); `tokenizer`: decodes completions' tails for stop strings (without one, requests with
         `stop` are refused); `cache_mb`: the most the KV cache may take (0: no limit but max_batch), fewer
-        sequences running at once where their budgets are long (`_admit`)."""
+        sequences running at once where their budgets are long (`_admit`); `chain`: reads whole and delta versions
+        (default: one that keeps no copy, rebuilding each delta from its whole version)."""
         self.model = model.eval()
+        self.chain = chain or ChainReader()
         self.tokenizer = tokenizer
         self.cache_lag = cache_lag
         self.device = next(model.parameters()).device
@@ -231,7 +235,9 @@ class Engine:
         before they are recomputed once. Each token's logprob is the one it was sampled
         with either way. A missing file raises FileNotFoundError before anything changed.
         """
-        load_into(self.model, read_verified(weights))  # outside inference mode: parameters stay normal tensors
+        tensors = self.chain.read(weights)  # a delta version: its chain applied, the result's hash checked
+        load_into(self.model, tensors)  # outside inference mode: parameters stay normal tensors
+        self.chain.hold(weights, tensors)
         self.version = weights.version
         self.weight_updates += 1
         stale = [seq for seq in self.slots[: self.decoding] if self.version - self.cached_at[seq.key] > self.cache_lag]

@@ -33,13 +33,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
+import tempfile
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
 from workers.rollout.protocol import EngineStats, SamplingParams, Sequence, check_request, stop_cut
-from workers.weights import WeightsFile, missing, verify
+from workers.weight_deltas import ChainReader
+from workers.weights import WeightsFile, missing, verify, write_safetensors
 
 POLL_S = 0.05  # how long step() waits for vLLM's next output before handing control back
 INSTALL_HINT = (
@@ -189,6 +191,18 @@ class VLLMEngine:
         return list(self.held)
 
     def update_weights(self, weights: WeightsFile) -> None:
+        """Load `weights` (a delta version: rebuilt and verified here, then written whole to a scratch file that
+        vLLM reads) in place in every vLLM worker, then resubmit every held sequence (`_load`)."""
+        if weights.base_version < 0:
+            return self._load(weights)
+        tensors = ChainReader().read(weights)  # the chain applied, the result's hash checked
+        with tempfile.TemporaryDirectory() as scratch:
+            path = Path(scratch) / f"v{weights.version:06d}.safetensors"
+            with open(path, "wb") as stream:
+                write_safetensors(tensors, stream, {"version": str(weights.version)})
+            return self._load(WeightsFile(path, weights.version, weights.sha256))
+
+    def _load(self, weights: WeightsFile) -> None:
         """Load `weights` in place in every vLLM worker, then resubmit each sequence's prompt plus its tokens so far.
 
         A missing file raises FileNotFoundError before anything is aborted; held sequences then resume on

@@ -38,6 +38,7 @@ from workers.rollout.engine import Engine
 from workers.rollout.protocol import RolloutEngine, SamplingParams, Sequence
 from workers.rollout.workflow import Conversation, call_token_of, is_call, load_workflow
 from workers.vocab import outside_vocab
+from workers.weight_deltas import ChainReader
 from workers.weights import WeightsError, WeightsFile
 
 METRICS_PERIOD_S = 1.0
@@ -88,6 +89,7 @@ def make_engine(config: RunConfig) -> RolloutEngine:
         cache_lag=config.rollout.cache_lag,
         tokenizer=AutoTokenizer.from_pretrained(config.model.path),
         cache_mb=config.rollout.cache_mb,
+        chain=ChainReader(retain=config.trainer.checkpoint.whole_every > 1),  # a delta needs only its own file
     )
 
 
@@ -220,7 +222,7 @@ class Rollout:
         segments out already: a later segment carries on from them).
         """
         started = time.perf_counter()
-        weights = WeightsFile(Path(announced.uri), announced.version, announced.content_hash)
+        weights = WeightsFile(Path(announced.uri), announced.version, announced.content_hash, announced.base_version)
         interrupted = self.engine.interrupt()
         loading = asyncio.ensure_future(asyncio.to_thread(self.engine.update_weights, weights))
         try:

@@ -26,6 +26,7 @@ from workers.trainer.losses import LossSettings
 from workers.trainer.microbatch import allocator
 from workers.trainer.ranks import LeadRank, follow
 from workers.trainer.step import PhaseClock, Row, Sequences, StepSettings, collate, train_step
+from workers.weight_deltas import Published, Publisher
 from workers.weights import write_version
 
 
@@ -124,6 +125,8 @@ class Trainer:
         self.vocab = self.local.model.get_input_embeddings().num_embeddings  # token ids it can train: [0, vocab)
         self.state = self.local.restore(restore_from)
         self.commands = LeadRank(self.local, self.ranks)
+        saved = config.trainer.checkpoint  # whole_every > 1: delta versions (`workers.weight_deltas`)
+        self.publisher = Publisher(runtime.weights_dir(config), saved.keep_versions, saved.whole_every)
 
     def train(self, groups: list[Group]) -> dict[str, float]:
         """One optimizer step on these groups (rank 0); returns the step's stats."""
@@ -165,13 +168,15 @@ class Trainer:
         size on disk), in memory of their own: the next step may train while they are written."""
         return cast_floating(self.commands.gather_weights(), self.config.model.dtype)
 
-    def publish(self, weights: dict[str, torch.Tensor] | None = None, version: int | None = None) -> tuple[Path, str]:
-        """Write `weights` (default: a snapshot now) as `version` (default: the current step) to shared storage;
-        (path, sha256)."""
+    def publish(self, weights: dict[str, torch.Tensor] | None = None, version: int | None = None) -> Published:
+        """Write `weights` (default: a snapshot now) as `version` (default: the current step) to shared storage:
+        whole, or with trainer.checkpoint.whole_every > 1 every K-th whole and the others as deltas."""
         weights = self.snapshot() if weights is None else weights
         version = self.state.step if version is None else version
-        keep = self.config.trainer.checkpoint.keep_versions
-        return write_version(weights, runtime.weights_dir(self.config), version, keep)
+        saved = self.config.trainer.checkpoint
+        if saved.whole_every > 1:
+            return self.publisher.publish(weights, version)
+        return Published(*write_version(weights, runtime.weights_dir(self.config), version, saved.keep_versions))
 
     def save(self) -> Path:
         """A checkpoint of the model, optimizer and `state` as it is now (set its resume fields first)."""

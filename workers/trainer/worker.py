@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable
-from pathlib import Path
 
 import torch
 from opentelemetry.context import Context
@@ -51,6 +50,7 @@ from workers.trainer.buffer import UNIFORM, Group, GroupBuffer
 from workers.trainer.model import Trainer, checkpoints_dir
 from workers.trainer.step import PhaseClock
 from workers.vocab import outside_vocab
+from workers.weight_deltas import Published
 from workers.weights import drop_versions_after
 
 
@@ -151,7 +151,7 @@ class Lead:
         self.publish_lag = 0.0  # seconds from a version's snapshot to its announcement, the last one delivered
         self.write_seconds = 0.0  # seconds the last version's file took to write and hash (off the step's path)
         self.copied: int | None = None  # the newest version whose weights were copied for writing
-        self.written: tuple[Path, str] | None = None  # its file and sha256, once written
+        self.written: Published | None = None  # its file, whole hash and base, once written
         self.key = load_key(ctx.run_dir)  # signs every announcement (workers.announce); None: the run has no key
 
     async def next_batch(self) -> tuple[list[Group], BatchManifest | None]:
@@ -257,8 +257,10 @@ class Lead:
             started = time.perf_counter()
             self.written = await asyncio.to_thread(self.trainer.publish, weights, fields["version"])
             self.write_seconds = time.perf_counter() - started
-        path, digest = self.written
-        announcement = WeightVersion(uri=str(path.resolve()), content_hash=digest, **fields)
+        written = self.written
+        announcement = WeightVersion(
+            uri=str(written.path.resolve()), content_hash=written.sha256, base_version=written.base_version, **fields
+        )
         await self.outbox.send_now("weights", announcement, headers=signed_headers(self.key, announcement))
         self.publish_lag = time.perf_counter() - snapped
 

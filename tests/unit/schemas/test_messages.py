@@ -53,11 +53,11 @@ def test_unknown_schema_version_is_rejected():
 
 def test_a_newer_version_is_named_before_its_new_fields_are_called_unknown():
     """What an older reader meets in a newer record, one version on: the version, not 'unknown field'."""
-    assert SCHEMA_VERSION == 3 and sorted(READABLE_VERSIONS) == [1, 2, 3]
-    future = msgspec.msgpack.encode({**msgspec.to_builtins(SCORED_TOOL), "schema_version": 4, "turns": [0, 5]})
+    assert SCHEMA_VERSION == 4 and sorted(READABLE_VERSIONS) == [1, 2, 3, 4]
+    future = msgspec.msgpack.encode({**msgspec.to_builtins(SCORED_TOOL), "schema_version": 5, "turns": [0, 5]})
     with pytest.raises(DecodeError) as refused:
         decode(future, Scored)
-    assert str(refused.value) == "Scored has schema_version 4, this build reads 1, 2, 3"
+    assert str(refused.value) == "Scored has schema_version 5, this build reads 1, 2, 3, 4"
     with pytest.raises(DecodeError, match="unknown field `turns`"):  # a field no version has: still refused
         decode(msgspec.msgpack.encode({**msgspec.to_builtins(SCORED_TOOL), "turns": [0, 5]}), Scored)
 
@@ -76,6 +76,12 @@ def test_a_version_2_announcement_decodes_with_no_skips_counted():
     old = {name: value for name, value in msgspec.to_builtins(WEIGHTS).items() if name != "groups_skipped"}
     decoded = decode(msgspec.msgpack.encode({**old, "schema_version": 2}), WeightVersion)
     assert decoded == msgspec.structs.replace(WEIGHTS, schema_version=2, groups_skipped=0)
+
+
+def test_a_version_3_announcement_is_a_whole_version():
+    old = {name: value for name, value in msgspec.to_builtins(WEIGHTS).items() if name != "base_version"}
+    decoded = decode(msgspec.msgpack.encode({**old, "schema_version": 3}), WeightVersion)
+    assert decoded.base_version == -1
 
 
 def test_interruptions_are_the_non_terminal_segments_that_were_no_tool_call():

@@ -42,7 +42,7 @@ ANNOUNCED = WeightVersion(
     groups_dropped=1,
     final=True,
 )
-SIGNED = "86d9eb11c3ede4ed52be7ac3665953d0d6df25c35e2e037f70b1167c7ba255b1"  # of schema_version 3 bytes
+SIGNED = "84214665d30bf0d638fe84d96cd6806b4f8fbb24ab496d06325b1cf6ae4582cc"  # of schema_version 4 bytes
 
 
 def test_the_signature_is_hmac_sha256_of_the_announcement_bytes():
