@@ -48,9 +48,8 @@ class ModelConfig(Section):
     dtype: Annotated[
         Literal["auto", "float32", "bfloat16", "float16"],
         doc(
-            "weights and activations of rollout and evaluation, and the trainer's compute (autocast; its master "
-            "weights and optimizer stay float32). auto = bfloat16 on CUDA and, for a model 512 wide or wider, on a CPU "
-            "with native bfloat16 (AVX512-BF16, AMX); else float32"
+            "rollout's and evaluation's weights, the trainer's autocast compute (docs: Running a pipeline). auto = "
+            "bfloat16 on CUDA and, for models 512+ wide, on CPUs with native bfloat16; else float32"
         ),
     ] = "auto"
     warmup_steps: Annotated[

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from pipeline.bench import machine
+from pipeline.model_cache import model_path
 from schemas.config import ModelConfig
 from workers.weight_deltas import BITS, ChainReader, Publisher
 from workers.weights import WeightsFile, unique_state_dict, write_version
@@ -87,7 +88,7 @@ def table(result: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
-    versions = two_versions(args.model, args.lr, args.sequences, args.length, args.seed)
+    versions = two_versions(model_path(args.model), args.lr, args.sequences, args.length, args.seed)
     with tempfile.TemporaryDirectory(dir=args.scratch) as scratch:
         result = measure(versions, Path(scratch))
     lora = "lora" in ModelConfig.__struct_fields__

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from pipeline.commands.options import add_device_option, add_no_progress, add_task_option
 
@@ -11,63 +10,8 @@ from pipeline.commands.options import add_device_option, add_no_progress, add_ta
 def add_parser(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="measure the system's parts against baselines")
     kinds = bench.add_subparsers(dest="bench", required=True)
-    add_generate_options(
-        kinds.add_parser("generate", help="engine tokens/s vs Hugging Face generate at equal concurrency")
-    )
-    add_microbatch_options(
-        kinds.add_parser(
-            "microbatch", help="trainer tokens/s and peak memory: token-budget vs fixed-count micro-batches"
-        )
-    )
-    add_pipeline_options(
-        kinds.add_parser(
-            "pipeline",
-            help="training throughput: eta=0 vs eta=4, interruption on vs off",
-            description="Three whole pipelines of --task's shipped config (default chain), back to back on one demo "
-            "model: eta 0 (sync), eta 4 with interruption, eta 4 without. Reports trained and generated tokens/s, "
-            "the cores each role was given and used, and the machine's cores.",
-        )
-    )
-    add_staleness_options(
-        kinds.add_parser(
-            "staleness",
-            help="held-out accuracy vs staleness bound eta, naive vs decoupled PPO (the paper's Table 2)",
-            description="Train --task (its shipped config, default chain) with eta in {0, 1, 2, 4, 8} under naive "
-            "and decoupled PPO, one whole pipeline per run, from one warm-up model per seed; each cell is the mean "
-            "+- sample sd over the seeds. The full grid is 5 x 2 x 3 seeds = 30 runs of the task's trainer.steps "
-            "(arith: 1,200 steps, about 3 h on 2 idle CPU cores, 4-6 h on busy ones; chain: to be measured). "
-            "--quick: eta 0 and 4, one seed, half the steps, 4 runs (arith: about 15 min idle, 21 min on 2 busy "
-            "cores).",
-        )
-    )
-    add_peer_options(
-        kinds.add_parser(
-            "peer",
-            help="held-out accuracy vs wall time: asyncrl run against TRL's GRPOTrainer (the peer extra)",
-            description="TRL's GRPOTrainer, then `asyncrl run --task`, one after the other on the same cores, from "
-            "the same demo model, with the task config's batch, samples, lr and output limit; both scored by "
-            "asyncrl's evaluator. Reports each one's accuracy against wall time and time_to_peer_final_ratio "
-            "(asyncrl's time to the peer's final accuracy / the peer's wall time). Needs pip install -e '.[peer]'.",
-        )
-    )
-    add_sandbox_options(
-        kinds.add_parser(
-            "sandbox",
-            help="sandboxed executions of untrusted Python per second, cold (a bwrap each) and warm",
-            description="Runs `pass` and a small checker in workers/sandbox/bwrap.py's sandbox, cold (a fresh "
-            "bwrap per execution) and warm (a fork of a warm server in fresh namespaces), --executions times at "
-            "each --parallelism, and the same Python alone outside it for scale; needs bwrap (package bubblewrap).",
-        )
-    )
-    add_weights_options(
-        kinds.add_parser(
-            "weights",
-            help="bytes written per weight version and seconds to publish and load it: whole vs delta",
-            description="Loads --model in float32, trains one AdamW step on random tokens, casts both versions to "
-            "bfloat16 and measures the second as a whole version and as a delta against the first "
-            "(trainer.checkpoint.whole_every): bytes, publish and load seconds, the fraction of elements changed.",
-        )
-    )
+    for name, add_options, texts in KINDS:
+        add_options(kinds.add_parser(name, **texts))
     bench.set_defaults(handle=handle)
 
 
@@ -245,8 +189,8 @@ def add_microbatch_options(parser: argparse.ArgumentParser) -> None:
 def add_weights_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
-        default=str(Path.home() / ".cache/asyncrl/models/smollm2"),
-        help="a Hugging Face model directory (default: the imported SmolLM2-135M-Instruct, %(default)s)",
+        default="smollm2",
+        help="a Hugging Face model directory or an imported model's name (default: %(default)s, SmolLM2-135M-Instruct)",
     )
     parser.add_argument("--lr", type=float, default=5e-6, help="AdamW's learning rate (default: %(default)s)")
     parser.add_argument("--sequences", type=int, default=4, help="random-token sequences (default: %(default)s)")
@@ -255,3 +199,67 @@ def add_weights_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     parser.add_argument("--scratch", help="where the versions are written (default: the system's temporary dir)")
     parser.add_argument("--out", default="runs/bench/weights.json", help="JSON results file (default: %(default)s)")
+
+
+KINDS = [  # (name, its options, add_parser's help and description), in the order `asyncrl bench --help` lists them
+    ("generate", add_generate_options, dict(help="engine tokens/s vs Hugging Face generate at equal concurrency")),
+    (
+        "microbatch",
+        add_microbatch_options,
+        dict(help="trainer tokens/s and peak memory: token-budget vs fixed-count micro-batches"),
+    ),
+    (
+        "pipeline",
+        add_pipeline_options,
+        dict(
+            help="training throughput: eta=0 vs eta=4, interruption on vs off",
+            description="Three whole pipelines of --task's shipped config (default chain), back to back on one demo "
+            "model: eta 0 (sync), eta 4 with interruption, eta 4 without. Reports trained and generated tokens/s, "
+            "the cores each role was given and used, and the machine's cores.",
+        ),
+    ),
+    (
+        "staleness",
+        add_staleness_options,
+        dict(
+            help="held-out accuracy vs staleness bound eta, naive vs decoupled PPO (the paper's Table 2)",
+            description="Train --task (its shipped config, default chain) with eta in {0, 1, 2, 4, 8} under naive "
+            "and decoupled PPO, one whole pipeline per run, from one warm-up model per seed; each cell is the mean "
+            "+- sample sd over the seeds. The full grid is 5 x 2 x 3 seeds = 30 runs of the task's trainer.steps "
+            "(arith: 1,200 steps, about 3 h on 2 idle CPU cores, 4-6 h on busy ones; chain: to be measured). "
+            "--quick: eta 0 and 4, one seed, half the steps, 4 runs (arith: about 15 min idle, 21 min on 2 busy "
+            "cores).",
+        ),
+    ),
+    (
+        "peer",
+        add_peer_options,
+        dict(
+            help="held-out accuracy vs wall time: asyncrl run against TRL's GRPOTrainer (the peer extra)",
+            description="TRL's GRPOTrainer, then `asyncrl run --task`, one after the other on the same cores, from "
+            "the same demo model, with the task config's batch, samples, lr and output limit; both scored by "
+            "asyncrl's evaluator. Reports each one's accuracy against wall time and time_to_peer_final_ratio "
+            "(asyncrl's time to the peer's final accuracy / the peer's wall time). Needs pip install -e '.[peer]'.",
+        ),
+    ),
+    (
+        "sandbox",
+        add_sandbox_options,
+        dict(
+            help="sandboxed executions of untrusted Python per second, cold (a bwrap each) and warm",
+            description="Runs `pass` and a small checker in workers/sandbox/bwrap.py's sandbox, cold (a fresh "
+            "bwrap per execution) and warm (a fork of a warm server in fresh namespaces), --executions times at "
+            "each --parallelism, and the same Python alone outside it for scale; needs bwrap (package bubblewrap).",
+        ),
+    ),
+    (
+        "weights",
+        add_weights_options,
+        dict(
+            help="bytes written per weight version and seconds to publish and load it: whole vs delta",
+            description="Loads --model in float32, trains one AdamW step on random tokens, casts both versions to "
+            "bfloat16 and measures the second as a whole version and as a delta against the first "
+            "(trainer.checkpoint.whole_every): bytes, publish and load seconds, the fraction of elements changed.",
+        ),
+    ),
+]
