@@ -156,10 +156,17 @@ def restart_exited(workers: list, codes: list[int | None], bar: tqdm) -> bool:
 
 
 def run_outcome(
-    config: RunConfig, run_dir: Path, workers: list, codes: list[int | None], step: int, started: float, bar: tqdm
+    config: RunConfig,
+    run_dir: Path,
+    workers: list,
+    codes: list[int | None],
+    step: int,
+    started: float,
+    bar: tqdm,
+    longest_eval: float = 0.0,
 ) -> str | None:
     """'finished', 'failed' or 'timeout' once the run is over, None while it goes on (workers that ended before
-    their time restarted)."""
+    their time restarted). `longest_eval`: the longest evaluation's seconds so far (`final_eval_reserve`)."""
     if step >= config.trainer.steps and all(
         code == 0 for w, code in zip(workers, codes, strict=True) if w.role == "trainer"
     ):
@@ -169,10 +176,18 @@ def run_outcome(
         return "failed"
     if not restart_exited(workers, codes, bar):
         return "failed"
-    if config.max_wall_s and time.time() - started > config.max_wall_s:
-        bar.write(f"asyncrl: max_wall_s={config.max_wall_s} reached, stopping")
+    if config.max_wall_s and time.time() - started > config.max_wall_s - final_eval_reserve(config, longest_eval):
+        less = f" less {longest_eval:.0f} s for the final evaluation" if longest_eval else ""
+        bar.write(f"asyncrl: max_wall_s={config.max_wall_s}{less} reached, stopping")
         return "timeout"
     return None
+
+
+def final_eval_reserve(config: RunConfig, longest_eval: float) -> float:
+    """Seconds of max_wall_s kept for scoring the last version once training stops: as long as the longest
+    evaluation of the run so far (scored on cores the workers left over, so rather more than the last one needs
+    with every core free), at most a quarter of the budget; 0 before any evaluation."""
+    return min(longest_eval, config.max_wall_s / 4)
 
 
 def follow(
@@ -191,7 +206,7 @@ def follow(
     `offset`: where metrics.jsonl is read from (a resumed run's earlier lines are done with).
     `on_first_step`: called once, at the trainer's first line (the launcher starts its evaluator then)."""
     metrics_path = run_dir / "metrics.jsonl"
-    accuracy = None
+    accuracy, longest_eval = None, 0.0
     bar = tqdm(total=config.trainer.steps, desc="asyncrl", unit="step", disable=not progress, dynamic_ncols=True)
     step = 0
     try:
@@ -205,7 +220,7 @@ def follow(
                 evaluation.link_written()
             for line in lines:
                 if line["source"] == "eval":  # scored behind the trainer, whenever a core was free
-                    accuracy = line["heldout_accuracy"]
+                    accuracy, longest_eval = line["heldout_accuracy"], max(longest_eval, line.get("seconds", 0.0))
                 if line["source"] != "trainer":
                     continue
                 bar.update(max(line["step"] - step, 0))  # a restarted trainer repeats steps after its checkpoint
@@ -219,7 +234,7 @@ def follow(
                     tok_s=f"{line['tokens_per_s']:.0f}",
                     refresh=False,
                 )
-            if outcome := run_outcome(config, run_dir, workers, codes, step, started, bar):
+            if outcome := run_outcome(config, run_dir, workers, codes, step, started, bar, longest_eval):
                 return outcome
             if on_first_step and step:  # after the workers were polled: it may add one
                 on_first_step()

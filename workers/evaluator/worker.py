@@ -141,6 +141,7 @@ async def score_version(run_dir: Path, evaluator, version: int, weights: Path | 
     up). The line, or None when the file is gone."""
     from workers.evaluator.scoring import EVAL_KEYS, write_rows
 
+    started = time.monotonic()
     result = await evaluator.evaluate(weights)
     if result is None:
         return None
@@ -150,6 +151,7 @@ async def score_version(run_dir: Path, evaluator, version: int, weights: Path | 
         note_failed(run_dir, version, summary["failed"], summary["reward_failures"])
         return None
     line = {"step": version, "version": version, "heldout_accuracy": summary["greedy_accuracy"]}
+    line["seconds"] = round(time.monotonic() - started, 1)  # the launcher keeps the longest for the final one
     line |= {key: summary[key] for key in EVAL_KEYS if summary[key] is not None}
     line |= {"reward_calls": summary["reward_calls"], "reward_failures": summary["reward_failures"]}
     runtime.MetricsWriter(run_dir / "metrics.jsonl", "eval").write(**line)

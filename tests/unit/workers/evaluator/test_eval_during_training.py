@@ -58,6 +58,7 @@ def test_greedy_only_summary_has_no_sampled_numbers(demo_model_dir: Path, tmp_pa
     assert set(base) == {"step", "version", "heldout_accuracy", "n", "k", "length_p50", "length_p90"} | {
         "reward_calls",
         "reward_failures",
+        "seconds",
     }
     assert base["reward_calls"] == 6 and base["reward_failures"] == {}
     summary = monitor.finish(config, run_dir, "finished", time.time())
