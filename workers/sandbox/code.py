@@ -16,11 +16,17 @@ Two shapes of tests, the ones public code-RL datasets carry:
   is_prime(7)`): a program that reads the harness's job can send the harness's lines itself, with the values
   that pass. The `code` task's tests (`assert f(-7)==-8`) have none of these shapes. Statements among the tests
   other than asserts (imports, helpers) run once after the program.
+- HumanEval's `check(candidate)`: tests that define `check`, whose asserts judge the function `entry_point`.
+  One execution runs the program, the tests and `check(<entry_point>)`, which passes when it returns. Its asserts
+  run inside the sandbox, so a candidate that returns an object equal to anything passes them (as with
+  HumanEval's own harness), and so does a program that reads the harness's job and sends its line.
 - stdin/stdout pairs: one execution per input; the stripped output, compared here line by line (trailing
   spaces ignored), must be the expected one, which never enters the sandbox.
 
-`code_reward` is `data.reward=code`: a row's `tests` field (a string of asserts, or a JSON list of them) or its
-`inputs`/`outputs` fields (JSON lists of strings); `partial_code_reward` gives the share of tests passed.
+`code_reward` is `data.reward=code`: a row's `tests` field (a string of asserts, or a JSON list of them; or the
+`check(candidate)` form with an `entry_point` field) or its `inputs`/`outputs` fields (JSON lists of strings);
+`partial_code_reward` gives the share of tests passed. The program is the completion's code (`extract_code`),
+put together with the row's `code_prompt` where it has one (`assemble`: HumanEval's prompts).
 """
 
 from __future__ import annotations
