@@ -240,8 +240,9 @@ def eval_settings(args: argparse.Namespace, run: RunConfig | None, task: str, re
     max_new_tokens = args.max_new_tokens or (humaneval.MAX_NEW_TOKENS if own else 0)
     max_new_tokens = max_new_tokens or (run.rollout.max_new_tokens if run else 0)
     stop = args.stop if args.stop is not None else (run.rollout.stop if run and not own else ())
-    if own and args.stop is None and template == "raw":
-        stop = humaneval.STOP
+    if own and args.stop is None:
+        stop = humaneval.STOP if template == "raw" else humaneval.CHAT_STOP
+    cache_mb = humaneval.CACHE_MB if own else (run.rollout.cache_mb if run else 0)
     if not max_new_tokens and (args.task or reward == "builtin" or run):
         try:
             max_new_tokens = load_task(task).max_new_tokens
@@ -255,7 +256,7 @@ def eval_settings(args: argparse.Namespace, run: RunConfig | None, task: str, re
         system_prompt=args.system_prompt if args.system_prompt is not None else (run.data.system_prompt if run else ""),
         seed=args.seed,
         max_batch=args.max_batch or (run.rollout.max_batch if run else 64),
-        cache_mb=args.cache_mb if args.cache_mb is not None else (run.rollout.cache_mb if run else 0),
+        cache_mb=args.cache_mb if args.cache_mb is not None else cache_mb,
         workflow=run.rollout.workflow if run else "",
         stop=tuple(stop),
     )

