@@ -20,8 +20,9 @@ from pipeline.config import ConfigError, load_config
 from pipeline.model_cache import model_path, model_width
 from schemas.config import DataConfig, RewardConfig, RunConfig
 from workers.cores import auto_dtype
+from workers.evaluator import humaneval
 from workers.evaluator.rows import file_rows, task_rows
-from workers.evaluator.scoring import EvalSettings, Evaluator, RewardCalls, write_rows
+from workers.evaluator.scoring import EvalSettings, Evaluator, RewardCalls, eval_reward, write_rows
 from workers.rows import Row
 from workers.weights import WeightsError
 
@@ -52,7 +53,7 @@ def run_eval(args: argparse.Namespace) -> int:
         return 1
     rows, data = eval_rows(args, run)
     task = args.task or (run.data.task if run else "arith")
-    reward = args.reward or (run.data.reward if run else ("builtin" if args.task else "math"))
+    reward = args.reward or default_reward(args, run)
     settings = eval_settings(args, run, task, reward)
     device, dtype = device_and_dtype(args, run)
     set_threads(args.threads or (run.rollout.threads if run else 1))
@@ -185,9 +186,25 @@ def read_checked(target: Target, run_dir: Path) -> dict:
     return tensors
 
 
+def default_reward(args: argparse.Namespace, run: RunConfig | None) -> str:
+    """'code' for HumanEval, else the run's data.reward (its evaluation's), else builtin with --task, math with
+    --data."""
+    if args.data == humaneval.SOURCE:
+        return "code"
+    if run and not args.data and not args.task:
+        return eval_reward(run)
+    return run.data.reward if run else ("builtin" if args.task else "math")
+
+
 def eval_rows(args: argparse.Namespace, run: RunConfig | None) -> tuple[list[Row], str]:
     """The rows (the first --max-rows) and a label saying where they came from."""
-    if args.data:
+    if args.data == humaneval.SOURCE or (
+        run and not args.data and not args.task and run.data.eval_source == humaneval.SOURCE
+    ):
+        template = args.template or (run.data.template if run else "raw")
+        rows = humaneval.humaneval_rows(template)
+        label = f"humaneval: the {len(rows)} problems of {humaneval.PACKAGE}, {template} prompts"
+    elif args.data:
         rows, label = file_rows(args.data, "--data"), args.data
     elif args.task or (run and run.data.eval_source in ("builtin", "none")):
         spec = args.task or run.data.task
@@ -218,7 +235,14 @@ def eval_rows(args: argparse.Namespace, run: RunConfig | None) -> tuple[list[Row
 def eval_settings(args: argparse.Namespace, run: RunConfig | None, task: str, reward: str) -> EvalSettings:
     from workers.tasks import load_task
 
-    max_new_tokens = args.max_new_tokens or (run.rollout.max_new_tokens if run else 0)
+    own = args.data == humaneval.SOURCE  # HumanEval's defaults rather than the run's
+    template = args.template or (run.data.template if run else "raw")
+    max_new_tokens = args.max_new_tokens or (humaneval.MAX_NEW_TOKENS if own else 0)
+    max_new_tokens = max_new_tokens or (run.rollout.max_new_tokens if run else 0)
+    stop = args.stop if args.stop is not None else (run.rollout.stop if run and not own else ())
+    if own and args.stop is None:
+        stop = humaneval.STOP if template == "raw" else humaneval.CHAT_STOP
+    cache_mb = humaneval.CACHE_MB if own else (run.rollout.cache_mb if run else 0)
     if not max_new_tokens and (args.task or reward == "builtin" or run):
         try:
             max_new_tokens = load_task(task).max_new_tokens
@@ -228,13 +252,13 @@ def eval_settings(args: argparse.Namespace, run: RunConfig | None, task: str, re
         k=args.k,
         temperature=args.temperature,
         max_new_tokens=max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
-        template=args.template or (run.data.template if run else "raw"),
+        template=template,
         system_prompt=args.system_prompt if args.system_prompt is not None else (run.data.system_prompt if run else ""),
         seed=args.seed,
         max_batch=args.max_batch or (run.rollout.max_batch if run else 64),
-        cache_mb=args.cache_mb if args.cache_mb is not None else (run.rollout.cache_mb if run else 0),
+        cache_mb=args.cache_mb if args.cache_mb is not None else cache_mb,
         workflow=run.rollout.workflow if run else "",
-        stop=tuple(args.stop if args.stop is not None else (run.rollout.stop if run else ())),
+        stop=tuple(stop),
     )
 
 

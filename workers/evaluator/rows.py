@@ -1,5 +1,5 @@
-"""A run's evaluation set: data.eval_source (a file, or the task's held-out split). Free of torch: the launcher
-reads it before anything starts (a missing file is a config error then, not a failed evaluator later)."""
+"""A run's evaluation set: data.eval_source (a file, the task's held-out split or HumanEval). Free of torch: the
+launcher reads it before anything starts (a missing file is a config error then, not a failed evaluator later)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 
 from schemas.config import RunConfig
 from schemas.errors import ConfigError
+from workers.evaluator import humaneval
 from workers.rows import Row, read_rows, rows_of
 from workers.tasks import load_task
 
@@ -32,13 +33,15 @@ def file_rows(path: str, what: str) -> list[Row]:
 
 
 def rows_for_config(config: RunConfig) -> list[Row] | None:
-    """A run's evaluation set: the file data.eval_source names, the task's held-out split ('builtin'), or None
-    ('none')."""
+    """A run's evaluation set: the file data.eval_source names, the task's held-out split ('builtin'), HumanEval
+    ('humaneval', written for the run's template), or None ('none')."""
     source = config.data.eval_source_or_default()
     if source == "none":
         return None
     if source == "builtin":
         rows = task_rows(config.data.task, config.seed, config.data.held_out)
+    elif source == humaneval.SOURCE:
+        rows = humaneval.humaneval_rows(config.data.template)
     else:
         rows = file_rows(source, "data.eval_source")
     return rows[: config.eval.max_rows] if config.eval.max_rows else rows

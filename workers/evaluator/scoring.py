@@ -30,6 +30,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from schemas.config import RewardConfig, RunConfig
 from schemas.errors import ConfigError
+from workers.evaluator import humaneval
 from workers.evaluator.rows import rows_for_config
 from workers.models import encode_prompt, end_token_ids, load_causal_lm
 from workers.reward import functions
@@ -116,8 +117,8 @@ class EvalResult:
     rows: list[dict] = field(default_factory=list)  # one per row: completions, scores, answers, lengths, errors
 
 
-Score = tuple[float, str, str]  # (score, answer key, error or "")
-Scorer = Callable[[Row, str], Score]
+Score = tuple[float, str, str, str]  # (score, answer key, error or "", the reward's reason or "")
+Scorer = Callable[[Row, str], tuple[float, str, str]]  # (score, answer key, error or "")
 
 
 def loaded(reward: str, task: str) -> tuple[functions.RewardFn, functions.AnswerKey]:
@@ -152,6 +153,11 @@ def make_scorer(reward: str, task: str) -> Scorer:
     return score
 
 
+def eval_reward(config: RunConfig) -> str:
+    """The reward of a run's evaluation: 'code' for HumanEval (its rows carry their tests), else the run's."""
+    return "code" if config.data.eval_source_or_default() == humaneval.SOURCE else config.data.reward
+
+
 class RewardCalls:
     """The run's reward called as the reward worker calls it (`workers.reward.pool.scoring`: scoring processes of
     its own, `reward.timeout_s` a call, spares for hung calls) under its failure budget, one per evaluation."""
@@ -163,7 +169,7 @@ class RewardCalls:
         self.loop: asyncio.AbstractEventLoop | None = None  # the pool's: its processes are waited for on it
 
     async def score_all(self, calls: list[tuple[Row, str]]) -> tuple[list[Score], RewardFailures]:
-        """Each (row, completion)'s score, answer key and error, and the calls' failures. Once more than
+        """Each (row, completion)'s score, answer key, error and reason (`Score`), and the calls' failures. Once more than
         reward.max_failure_rate of a window of calls failed (`exceeded`), the calls left are not made: they
         score 0 with NOT_SCORED."""
         pool, config = self._pool(), self.config
@@ -193,9 +199,11 @@ class RewardCalls:
     def _score(self, text: str, call: asyncio.Future) -> Score:
         answer = answer_of(self.key, text)
         if call.cancelled():
-            return 0.0, answer, NOT_SCORED
+            return 0.0, answer, NOT_SCORED, ""
         reward, details = call.result()
-        return (0.0, answer, details["error"]) if reward is None else (reward, answer, "")
+        return (
+            (0.0, answer, details["error"], "") if reward is None else (reward, answer, "", details.get("reason", ""))
+        )
 
     def _pool(self) -> ScoringPool | InlineScoring:
         """The scoring processes, made on the running loop (a pool waits on one loop only)."""
@@ -252,7 +260,7 @@ class Evaluator:
         torch.set_num_threads(config.rollout.threads)
         model = load_causal_lm(config.model.path, config.model.dtype, config.model.device)
         tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-        scorer = RewardCalls(config.data.reward, config.data.task, config.reward)
+        scorer = RewardCalls(eval_reward(config), config.data.task, config.reward)
         return cls(model, tokenizer, rows, scorer, settings)
 
     def accuracy(self, weights: Path | None = None) -> float | None:
@@ -326,10 +334,10 @@ class Evaluator:
         return prompts, refused
 
     @staticmethod
-    def _completion(finished: tuple[int, object], text: str, score: Score) -> tuple[str, float, str, int, bool, str]:
-        """(text, score, answer key, length in tokens, truncated, error) of one finished sequence."""
-        (_, seq), (value, answer, error) = finished, score
-        return text, value, answer, len(seq.token_ids), seq.finish_reason == "length", error
+    def _completion(finished: tuple[int, object], text: str, score: Score) -> tuple:
+        """(text, score, answer key, length in tokens, truncated, error, reason) of one finished sequence."""
+        (_, seq), (value, answer, error, reason) = finished, score
+        return text, value, answer, len(seq.token_ids), seq.finish_reason == "length", error, reason
 
     def _row(self, row: Row, completions: list[tuple]) -> dict:
         """One row's output: the greedy completion, the k samples, their scores and answers, the vote."""
@@ -343,10 +351,12 @@ class Evaluator:
             "greedy_score": first[1],
             "greedy_answer": first[2],
             "greedy_length": first[3],
+            "greedy_reason": first[6],
             "sample_completions": [c[0] for c in rest],
             "sample_scores": [c[1] for c in rest],
             "sample_answers": [c[2] for c in rest],
             "sample_lengths": [c[3] for c in rest],
+            "sample_reasons": [c[6] for c in rest],
             "correct": sum(correct(c[1]) for c in rest),
             "majority_answer": None,
             "majority_score": None,
@@ -369,10 +379,12 @@ class Evaluator:
             "greedy_score": 0.0,
             "greedy_answer": "",
             "greedy_length": 0,
+            "greedy_reason": "",
             "sample_completions": [""] * k,
             "sample_scores": [0.0] * k,
             "sample_answers": [""] * k,
             "sample_lengths": [0] * k,
+            "sample_reasons": [""] * k,
             "correct": 0,
             "majority_answer": "" if k else None,
             "majority_score": 0.0 if k else None,

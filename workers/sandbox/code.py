@@ -16,11 +16,17 @@ Two shapes of tests, the ones public code-RL datasets carry:
   is_prime(7)`): a program that reads the harness's job can send the harness's lines itself, with the values
   that pass. The `code` task's tests (`assert f(-7)==-8`) have none of these shapes. Statements among the tests
   other than asserts (imports, helpers) run once after the program.
+- HumanEval's `check(candidate)`: tests that define `check`, whose asserts judge the function `entry_point`.
+  One execution runs the program, the tests and `check(<entry_point>)`, which passes when it returns. Its asserts
+  run inside the sandbox, so a candidate that returns an object equal to anything passes them (as with
+  HumanEval's own harness), and so does a program that reads the harness's job and sends its line.
 - stdin/stdout pairs: one execution per input; the stripped output, compared here line by line (trailing
   spaces ignored), must be the expected one, which never enters the sandbox.
 
-`code_reward` is `data.reward=code`: a row's `tests` field (a string of asserts, or a JSON list of them) or its
-`inputs`/`outputs` fields (JSON lists of strings); `partial_code_reward` gives the share of tests passed.
+`code_reward` is `data.reward=code`: a row's `tests` field (a string of asserts, or a JSON list of them; or the
+`check(candidate)` form with an `entry_point` field) or its `inputs`/`outputs` fields (JSON lists of strings);
+`partial_code_reward` gives the share of tests passed. The program is the completion's code (`extract_code`),
+put together with the row's `code_prompt` where it has one (`assemble`: HumanEval's prompts).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import math
 import operator
 import re
 import secrets
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -45,6 +52,8 @@ MAX_VALUE_CHARS = 16384  # a tested value's repr longer than this fails its test
 # A fence's opening line: blanks, maybe a language and blanks, one newline; each run of blanks tried once (in
 # linear time: two runs side by side would make a line of blanks without a newline cost its length squared).
 FENCE = re.compile(r"```[ \t]*(?:(?:python3?|py)[ \t]*)?\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
+CHECK = re.compile(r"^def[ \t]+check[ \t]*\(", re.MULTILINE)  # HumanEval's form of tests
+LEADING_BLANK_LINES = re.compile(r"\A(?:[ \t]*\n)+")
 HOSTED = (ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.UnaryOp, ast.BinOp, ast.BoolOp, ast.Compare)
 HOSTED += (ast.IfExp, ast.Subscript, ast.Slice)  # what this process computes of a test (and calls: CALLS)
 PROBE = "probe "  # a placeholder's name: not an identifier, so no test's name is one
@@ -162,11 +171,49 @@ class Verdict:
         return {"passed": f"{self.passed}/{self.total}", **({"reason": self.reason} if self.reason else {})}
 
 
-def extract_code(completion: str) -> str:
-    """The code of a completion: its first ```python (or bare ```) fence when there is one (an unclosed fence runs
-    to the end), else the whole text."""
-    found = FENCE.search(completion)
-    return (found[1] if found else completion).strip()
+def extract_code(completion: str, entry_point: str = "") -> str:
+    """The code of a completion: of its ```python (or bare ```) fences (an unclosed one runs to the end), the first
+    that defines `entry_point`, else the first that is not empty; without such a fence, the text less its empty
+    fences. Leading blank lines and trailing blanks go; the first line's indentation stays (a bare function body
+    continues its signature)."""
+    fenced = [found[1] for found in FENCE.finditer(completion) if found[1].strip()]
+    defining = [code for code in fenced if entry_point and defines(code, entry_point)]
+    code = (defining or fenced or [FENCE.sub("", completion)])[0]
+    return LEADING_BLANK_LINES.sub("", code).rstrip()
+
+
+def definitions(code: str, entry_point: str) -> list[int]:
+    """Where `code` defines the function `entry_point` at its top level (offsets of each `def` line)."""
+    if not entry_point:
+        return []
+    pattern = rf"^(?:async[ \t]+)?def[ \t]+{re.escape(entry_point)}[ \t]*\("
+    return [found.start() for found in re.finditer(pattern, code, re.MULTILINE)]
+
+
+def defines(code: str, entry_point: str) -> bool:
+    return bool(definitions(code, entry_point))
+
+
+def function_body(code: str) -> str:
+    """A bare function body: its lines up to the first that starts at column 0 after the first (a stop string such
+    as "\ndef " ends a raw completion with it; comments at column 0 stay)."""
+    lines = code.split("\n")
+    end = next((i for i, line in enumerate(lines[1:], 1) if line[:1] not in ("", " ", "\t", "#")), len(lines))
+    return "\n".join(lines[:end]).rstrip()
+
+
+def assemble(code: str, code_prompt: str, entry_point: str) -> str:
+    """The program a completion's `code` stands for, beside the `code_prompt` it answers (imports, helpers, then
+    the signature with its docstring, as HumanEval's prompts are): a program that defines `entry_point` after the
+    prompt's code before its signature (the imports and helpers), a bare function body after the whole prompt;
+    without a prompt, the code alone (dedented)."""
+    if not code_prompt:
+        return textwrap.dedent(code)
+    if defines(code, entry_point):
+        starts = definitions(code_prompt, entry_point)
+        head = code_prompt[: starts[-1]].strip() if starts else ""
+        return f"{head}\n\n\n{code}\n" if head else f"{code}\n"
+    return f"{code_prompt.rstrip()}\n{function_body(code)}\n"
 
 
 def judged_here(node: ast.expr) -> bool:
@@ -353,6 +400,35 @@ def check_asserts(code: str, tests: str | list[str], limits: Limits = LIMITS) ->
     return Verdict(reasons.count(""), len(checks), next((reason for reason in reasons if reason), ""))
 
 
+def check_function(code: str, tests: str, entry_point: str, limits: Limits = LIMITS) -> Verdict:
+    """HumanEval's form of tests: `tests` define `check(candidate)`, whose own asserts judge the program's function
+    `entry_point`; it passes when `check(<entry_point>)` returns. One sandbox execution: the program, the tests,
+    then the call; the reason of a failure is the exception's type and message ("AssertionError", "NameError:
+    name 'x' is not defined"), the sandbox's reason (a timeout), or "no code found"."""
+    if not entry_point.isidentifier():
+        raise ValueError(f"entry_point {entry_point!r} is not a function name")
+    if not code.strip():
+        return Verdict(0, 1, "no code found")
+    marker = secrets.token_hex(16)
+    job = {"marker": marker, "code": code, "setup": tests, "probes": [f"check({entry_point})"]}
+    execution = run_python(HARNESS, stdin=json.dumps(job), limits=limits)
+    lines = reported(execution, marker)
+    if -1 in lines:
+        return Verdict(0, 1, raised(lines[-1][0][1]))
+    mine = lines.get(0, [])
+    if len(mine) != 1:
+        reason = f"{len(mine)} results (the program printed the harness's lines)" if mine else None
+        ended = f"{execution.status}: {execution.reason}" if execution.reason else "the program ended before the check"
+        return Verdict(0, 1, reason or ended)
+    status, text = mine[0]
+    return Verdict(1, 1) if status == "ok" else Verdict(0, 1, raised(text))
+
+
+def raised(text: str) -> str:
+    """An exception as the harness reports it ("AssertionError: "), its empty message dropped."""
+    return text.removesuffix(": ")[:300]
+
+
 def same_output(got: str, expected: str) -> bool:
     return [line.rstrip() for line in got.strip().splitlines()] == [
         line.rstrip() for line in expected.strip().splitlines()
@@ -406,8 +482,12 @@ def code_reward(
 ) -> tuple[float, dict[str, str]]:
     """`data.reward=code`: 1.0 when the completion's code passes every test of its row (else 0.0, or with
     `partial` the share passed). A row without tests is the row's fault: ValueError, a failure reward."""
-    code = extract_code(completion)
-    if "tests" in metadata:
+    entry_point = metadata.get("entry_point", "")
+    found = extract_code(completion, entry_point)
+    code = assemble(found, metadata.get("code_prompt", ""), entry_point) if found else ""
+    if "tests" in metadata and entry_point and CHECK.search(metadata["tests"]):
+        verdict = check_function(code, metadata["tests"], entry_point)
+    elif "tests" in metadata:
         verdict = check_asserts(code, tests_field(metadata["tests"]))
     elif "inputs" in metadata and "outputs" in metadata:
         inputs, outputs = string_list(metadata, "inputs"), string_list(metadata, "outputs")
