@@ -201,7 +201,11 @@ class LossConfig(Section):
     """trainer.loss: the advantages and the decoupled PPO objective (`workers.trainer.losses`)."""
 
     objective: Annotated[
-        Literal["decoupled", "naive"], doc("decoupled PPO (pi_prox recomputed) or naive PPO (pi_prox = pi_behav)")
+        Literal["decoupled", "naive", "m2po"],
+        doc(
+            "decoupled PPO (pi_prox recomputed), naive PPO (pi_prox = pi_behav), or m2po: no ratio clip, the tokens "
+            "of largest (log pi_prox/pi_behav)^2 dropped until the rest's mean is at most m2_threshold (M2PO)"
+        ),
     ] = "decoupled"
     advantage: Annotated[
         Literal["grpo", "drgrpo", "rloo"],
@@ -214,13 +218,26 @@ class LossConfig(Section):
     ] = AUTO
     behaviour_weight_cap: Annotated[float, doc("cap on the behaviour weight pi_prox/pi_behav; 0 = no cap", ge=0)] = 0.0
     behaviour_weight_mode: Annotated[
-        Literal["cap", "mask"],
-        doc("above behaviour_weight_cap: 'cap' clamps the weight to the cap, 'mask' drops the token/sequence"),
+        Literal["cap", "mask", "icepop"],
+        doc(
+            "above behaviour_weight_cap: 'cap' clamps the weight to the cap, 'mask' drops the token/sequence; "
+            "'icepop': drops it outside [icepop_low, icepop_high] (IcePop), no cap"
+        ),
     ] = "cap"
     behaviour_weight_level: Annotated[
         Literal["token", "sequence"],
         doc("behaviour weight per token, or per sequence (product over its completion tokens, given to each token)"),
     ] = "token"
+    icepop_low: Annotated[
+        float, doc("IcePop: the lowest behaviour weight kept (behaviour_weight_mode=icepop)", gt=0)
+    ] = 0.5
+    icepop_high: Annotated[
+        float, doc("IcePop: the highest behaviour weight kept (behaviour_weight_mode=icepop)", gt=0)
+    ] = 5.0
+    m2_threshold: Annotated[
+        float,
+        doc("M2PO: the largest mean (log pi_prox/pi_behav)^2 of a minibatch's kept tokens (objective=m2po)", gt=0),
+    ] = 0.04
     aggregation: Annotated[
         Literal["token_mean", "seq_mean", "token_sum_norm"],
         doc(
@@ -232,6 +249,18 @@ class LossConfig(Section):
         float,
         doc("weight of a KL(pi_theta || pi_ref) penalty to the frozen initial model (k3 estimator); 0 = off", ge=0),
     ] = 0.0
+
+    def __post_init__(self) -> None:
+        if self.behaviour_weight_mode == "icepop" and self.behaviour_weight_cap > 0:
+            raise ValueError("trainer.loss.behaviour_weight_mode=icepop has its band, icepop_low/high: no cap")
+        if self.icepop_low >= self.icepop_high:
+            raise ValueError("trainer.loss.icepop_low must be below icepop_high")
+        weighted = self.behaviour_weight_cap > 0 or self.behaviour_weight_mode == "icepop"
+        if self.objective == "m2po" and (weighted or self.behaviour_weight_level != "token"):
+            raise ValueError(
+                "trainer.loss.objective=m2po weighs each token by pi_theta/pi_behav, masked by its second moment: "
+                "behaviour_weight_cap, behaviour_weight_mode=icepop and behaviour_weight_level=sequence do not apply"
+            )
 
 
 class MicrobatchConfig(Section):

@@ -1,4 +1,4 @@
-"""`asyncrl bench staleness`: held-out accuracy against the staleness bound, naive vs decoupled PPO.
+"""`asyncrl bench staleness`: held-out accuracy against the staleness bound, naive vs corrected objectives.
 
 The paper's Table 2 / Figure 5 on a task's own rows: `--task`'s shipped config
 (pipeline/configs/<task>.yaml, default `chain`, whose long-tailed chains give staleness
@@ -7,7 +7,9 @@ both objectives, each run a whole `asyncrl run` of the task's trainer.steps. Nai
 clips the ratio against the behaviour policy, which lags the trainer by up to eta
 versions; decoupled PPO clips against pi_prox (the weights when the batch arrives) and
 corrects for the behaviour policy with an importance weight, so it should keep its
-accuracy as eta grows where naive PPO loses some.
+accuracy as eta grows where naive PPO loses some. `--variants` adds decoupled PPO with
+IcePop's band on that weight and M2PO (`VARIANTS`); `--large` is the large-staleness grid,
+eta up to 32, all four.
 
 The warm-up model is built once per seed, exactly as `asyncrl run` builds it for
 that seed, and shared by every run of the seed: they all start from the same weights
@@ -50,9 +52,28 @@ from pipeline.config import ConfigError
 from pipeline.monitor import read_metrics
 from schemas.config import RunConfig
 
-OBJECTIVES = ("naive", "decoupled")
+# Each variant's trainer.loss, after the overrides common to the grid (IcePop and M2PO have no cap).
+VARIANTS = {
+    "naive": ["trainer.loss.objective=naive"],
+    "decoupled": ["trainer.loss.objective=decoupled"],
+    "icepop": [
+        "trainer.loss.objective=decoupled",
+        "trainer.loss.behaviour_weight_mode=icepop",
+        "trainer.loss.behaviour_weight_cap=0",
+    ],
+    "m2po": ["trainer.loss.objective=m2po", "trainer.loss.behaviour_weight_cap=0"],
+}
+TITLES = {
+    "naive": "naive PPO (π_prox = π_behav)",
+    "decoupled": "decoupled PPO (π_prox recomputed)",
+    "icepop": "decoupled PPO + IcePop",
+    "m2po": "M2PO",
+}
+OBJECTIVES = ("naive", "decoupled")  # the default grid's variants
 TAIL_EVALS = 3
-PLOT_ETAS = (0, 1, 2, 4, 8)  # the colour scale, fixed so that an eta has one colour in every plot
+PLOT_ETAS = (0, 1, 2, 4, 8, 16, 32)  # the colour scale, fixed so that an eta has one colour in every plot
+# The tokens each variant's loss drops or caps, as the trainer's metrics name them.
+MASKED_STATS = ("behaviour_weight_over_cap", "icepop_masked", "m2po_masked")
 
 
 # Averaged over seeds per cell, each with its sample sd: every number of the table but the worst staleness.
@@ -72,12 +93,14 @@ SPREAD_KEYS = (
 class Plan:
     etas: tuple[int, ...]
     seeds: tuple[int, ...]
-    steps: int  # 0 in FULL and QUICK: the task's trainer.steps (QUICK: half), see plan_for
+    steps: int  # 0 in the presets: the task's trainer.steps (QUICK: half), see plan_for
+    variants: tuple[str, ...] = OBJECTIVES
 
 
 # arith: 1,200 steps is the demo's length (~16 % -> 51-61 % at eta 4); 600 already reaches ~50 %.
 FULL = Plan(etas=(0, 1, 2, 4, 8), seeds=(0, 1, 2), steps=0)
 QUICK = Plan(etas=(0, 4), seeds=(0,), steps=0)  # arith: 4 runs of 600 steps, 21 min on 2 cores shared with other work
+LARGE = Plan(etas=(0, 4, 8, 16, 32), seeds=(0, 1, 2), steps=0, variants=tuple(VARIANTS))  # 60 runs
 
 
 @dataclass(frozen=True)
@@ -91,7 +114,7 @@ class Setting:
     def overrides(self) -> list[str]:
         return [
             f"trainer.max_staleness={self.eta}",
-            f"trainer.loss.objective={self.objective}",
+            *VARIANTS[self.objective],
             f"seed={self.seed}",
             f"name=staleness-{self.objective}-eta{self.eta}-seed{self.seed}",
         ]
@@ -99,20 +122,21 @@ class Setting:
 
 def plan_for(args: argparse.Namespace, task_steps: int) -> Plan:
     """The grid of `args`; steps: `--steps`, else the task config's `task_steps` (`--quick`: half of them)."""
-    base = QUICK if args.quick else FULL
+    base = LARGE if args.large else QUICK if args.quick else FULL
     default_steps = max(1, task_steps // 2) if args.quick else task_steps
     return replace(
         base,
         seeds=tuple(dict.fromkeys(args.seeds or base.seeds)),
         etas=tuple(dict.fromkeys(args.etas or base.etas)),
         steps=default_steps if args.steps is None else args.steps,
+        variants=tuple(v for v in VARIANTS if v in (args.variants or base.variants)),
     )
 
 
 def grid(plan: Plan) -> list[Setting]:
     """Seed-major, so one seed's model serves its runs in a row;
     the objectives alternate so load elsewhere hits both alike."""
-    return [Setting(eta, objective, seed) for seed in plan.seeds for eta in plan.etas for objective in OBJECTIVES]
+    return [Setting(eta, variant, seed) for seed in plan.seeds for eta in plan.etas for variant in plan.variants]
 
 
 def run_configs(plan: Plan, task: str, common: list[str]) -> dict[Setting, RunConfig]:
@@ -149,10 +173,16 @@ def measure(setting: Setting, summary: dict, lines: list[dict]) -> dict:
         "max_staleness_trained": summary["max_staleness_trained"],
         "staleness_mean": round(statistics.fmean(l["staleness_mean"] for l in trainer), 3),
         "clip_fraction_mean": round(statistics.fmean(l["clip_fraction"] for l in trainer), 4),
+        "masked_fraction_mean": round(statistics.fmean(masked_fraction(l) for l in trainer), 4),
         "groups_dropped": summary["groups_dropped"],
         "interrupted_trajectories": summary["interrupted_trajectories"],
         "curve": [list(point) for point in curve],
     }
+
+
+def masked_fraction(line: dict) -> float:
+    """The share of a step's trained tokens its loss dropped or capped (behaviour-weight cap or mask, IcePop, M2PO)."""
+    return sum(line.get(key, 0.0) for key in MASKED_STATS)
 
 
 def mean_sd(values: list[float]) -> tuple[float, float | None]:
@@ -178,7 +208,7 @@ def cells(rows: list[dict]) -> list[dict]:
     groups: dict[tuple[str, int], list[dict]] = defaultdict(list)
     for row in rows:
         groups[row["objective"], row["eta"]].append(row)
-    order = sorted(groups, key=lambda key: (OBJECTIVES.index(key[0]), key[1]))
+    order = sorted(groups, key=lambda key: (list(VARIANTS).index(key[0]), key[1]))
     return [cell(objective, eta, groups[objective, eta]) for objective, eta in order]
 
 
@@ -215,18 +245,27 @@ def table(report: dict) -> str:
         f"{'stale max':>9} {'clipped %':>11} {'dropped':>11} {'wall s':>10}",
         *(cell_line(c) for c in report["cells"]),
     ]
-    by_key = {(c["objective"], c["eta"]): c for c in report["cells"]}
-    for eta in sorted({c["eta"] for c in report["cells"]}):
-        naive, decoupled = by_key.get(("naive", eta)), by_key.get(("decoupled", eta))
-        if naive and decoupled and set(naive["seeds"]) & set(decoupled["seeds"]):
-            final, tail = (
-                pm(*paired_gap(naive, decoupled, key), sign=True) for key in ("final_accuracy", "tail_accuracy")
-            )
-            lines.append(f"eta {eta}: decoupled - naive = {final} final, {tail} tail (points, paired by seed)")
+    lines += gap_lines(report["cells"])
     lines.append(
         f"{len(report['rows'])} runs in {report['wall_seconds'] / 60:.1f} min (models {report['models_seconds']:.0f} s)"
     )
     return "\n".join(lines)
+
+
+def gap_lines(cell_list: list[dict]) -> list[str]:
+    """Per eta, each variant's accuracy minus naive PPO's, paired by seed (where both ran a seed)."""
+    by_key = {(c["objective"], c["eta"]): c for c in cell_list}
+    lines = []
+    for eta in sorted({c["eta"] for c in cell_list}):
+        naive = by_key.get(("naive", eta))
+        for variant in [v for v in VARIANTS if v != "naive"]:
+            other = by_key.get((variant, eta))
+            if naive and other and set(naive["seeds"]) & set(other["seeds"]):
+                final, tail = (
+                    pm(*paired_gap(naive, other, key), sign=True) for key in ("final_accuracy", "tail_accuracy")
+                )
+                lines.append(f"eta {eta}: {variant} - naive = {final} final, {tail} tail (points, paired by seed)")
+    return lines
 
 
 def mean_curve(rows: list[dict]) -> tuple[list[int], list[float], list[float]]:
@@ -254,16 +293,17 @@ def plot_curves(ax, rows: list[dict], objective: str, colour_of) -> None:
                 [m + d for m, d in zip(means, sds, strict=True)],
             )
             ax.fill_between(steps, low, high, color=colour_of(eta), alpha=0.12, linewidth=0)
-    prox = "π_prox = π_behav" if objective == "naive" else "π_prox recomputed"
-    ax.set_title(f"{objective} PPO ({prox})")
+    ax.set_title(TITLES[objective])
     ax.set_xlabel("trainer step")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
 
 
 def plot_finals(ax, cell_list: list[dict]) -> None:
-    """Final held-out accuracy vs eta per objective, error bars ± sd over seeds (the paper's Table 2 as a figure)."""
-    for shift, objective in zip((-0.08, 0.08), OBJECTIVES, strict=True):
+    """Final held-out accuracy vs eta per variant, error bars ± sd over seeds (the paper's Table 2 as a figure)."""
+    variants = [v for v in VARIANTS if any(c["objective"] == v for c in cell_list)]
+    for index, objective in enumerate(variants):
+        shift = (index - (len(variants) - 1) / 2) * 0.08
         mine = [c for c in cell_list if c["objective"] == objective]
         ax.errorbar(
             [c["eta"] + shift for c in mine],
@@ -272,7 +312,7 @@ def plot_finals(ax, cell_list: list[dict]) -> None:
             marker="o",
             capsize=4,
             linewidth=1.5,
-            label=f"{objective} PPO",
+            label=TITLES[objective],
         )
     ax.set_xticks(sorted({c["eta"] for c in cell_list}))
     ax.set_title("final accuracy, mean ± sd over seeds")
@@ -282,8 +322,8 @@ def plot_finals(ax, cell_list: list[dict]) -> None:
 
 
 def plot(report: dict, path: Path) -> None:
-    """Accuracy vs trainer step, one panel per objective, one colour per eta (mean ± sd band over seeds);
-    then the final accuracy vs eta for both objectives with ± sd error bars."""
+    """Accuracy vs trainer step, one panel per variant, one colour per eta (mean ± sd band over seeds);
+    then the final accuracy vs eta for every variant with ± sd error bars."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -292,8 +332,9 @@ def plot(report: dict, path: Path) -> None:
     rows = report["rows"]
     etas = sorted({*PLOT_ETAS, *(r["eta"] for r in rows)})
     colours = plt.get_cmap("viridis")
-    fig, axes = plt.subplots(1, len(OBJECTIVES) + 1, figsize=(17, 4.8), sharey=True)
-    for ax, objective in zip(axes, OBJECTIVES, strict=False):
+    variants = [v for v in VARIANTS if any(r["objective"] == v for r in rows)]
+    fig, axes = plt.subplots(1, len(variants) + 1, figsize=(5.7 * (len(variants) + 1), 4.8), sharey=True)
+    for ax, objective in zip(axes, variants, strict=False):
         plot_curves(ax, rows, objective, lambda eta: colours(etas.index(eta) / max(len(etas) - 1, 1) * 0.9))
     plot_finals(axes[-1], report["cells"])
     axes[0].set_ylabel("held-out greedy accuracy")
@@ -396,8 +437,8 @@ def prepare(args: argparse.Namespace) -> Prepared:
     plan = plan_for(args, task_config(args.task, args.overrides).trainer.steps)
     if plan.steps < 1 or args.eval_every < 1:
         raise ConfigError("--steps and --eval-every must be positive")
-    quick = "-quick" if args.quick else ""
-    out = Path(args.out or f"runs/bench/staleness-{task_label(args.task)}{quick}.json")
+    preset = "-large" if args.large else "-quick" if args.quick else ""
+    out = Path(args.out or f"runs/bench/staleness-{task_label(args.task)}{preset}.json")
     common = [
         *args.overrides,
         f"runs_dir={out.parent / 'staleness-runs'}",
@@ -422,7 +463,7 @@ def run(args: argparse.Namespace) -> int:
     p = prepare(args)
     print(
         f"bench staleness on {p.shared.data.task}: {len(p.configs)} runs of {p.plan.steps} steps "
-        f"(eta {list(p.plan.etas)} x {list(OBJECTIVES)} x seeds {list(p.plan.seeds)})",
+        f"(eta {list(p.plan.etas)} x {list(p.plan.variants)} x seeds {list(p.plan.seeds)})",
         flush=True,
     )
     models_dir = Path(p.shared.runs_dir) / f"models-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -458,8 +499,9 @@ def settings_of(args: argparse.Namespace, p: Prepared, models: dict[int, str], i
         "task": p.shared.data.task,
         "task_config": args.task,
         "quick": args.quick,
+        "large": args.large,
         "etas": list(p.plan.etas),
-        "objectives": list(OBJECTIVES),
+        "objectives": list(p.plan.variants),
         "seeds": list(p.plan.seeds),
         "steps": p.plan.steps,
         "eval_every": args.eval_every,

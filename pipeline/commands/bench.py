@@ -123,13 +123,23 @@ def add_generate_options(parser: argparse.ArgumentParser) -> None:
 def add_staleness_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. trainer.optim.lr=3e-4")
     add_task_option(parser)
-    parser.add_argument("--quick", action="store_true", help="eta 0 and 4 only, seed 0, half the steps")
+    preset = parser.add_mutually_exclusive_group()
+    preset.add_argument("--quick", action="store_true", help="eta 0 and 4 only, seed 0, half the steps")
+    preset.add_argument("--large", action="store_true", help="large staleness: eta 0 4 8 16 32, every variant, 3 seeds")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=("naive", "decoupled", "icepop", "m2po"),
+        help="objectives: naive PPO, decoupled PPO, decoupled with IcePop, M2PO (default: naive decoupled; "
+        "--large: all four)",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", help="seeds (default: 0 1 2; --quick: 0)")
     parser.add_argument(
         "--etas",
         type=int,
         nargs="+",
-        help="max_staleness values (default: 0 1 2 4 8; --quick: 0 4); part of a grid, to --merge with the rest",
+        help="max_staleness values (default: 0 1 2 4 8; --quick: 0 4; --large: 0 4 8 16 32); part of a grid, "
+        "to --merge with the rest",
     )
     parser.add_argument(
         "--steps", type=int, help="trainer steps per run (default: the task config's trainer.steps; --quick: half)"
@@ -140,7 +150,8 @@ def add_staleness_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out",
         help="JSON results file, the plot next to it as .png "
-        "(default: runs/bench/staleness-<task>.json; --quick: runs/bench/staleness-<task>-quick.json)",
+        "(default: runs/bench/staleness-<task>.json; --quick, --large: runs/bench/staleness-<task>-quick.json, "
+        "-large.json)",
     )
     add_no_progress(parser)
     parser.add_argument(
@@ -222,13 +233,15 @@ KINDS = [  # (name, its options, add_parser's help and description), in the orde
         "staleness",
         add_staleness_options,
         dict(
-            help="held-out accuracy vs staleness bound eta, naive vs decoupled PPO (the paper's Table 2)",
+            help="held-out accuracy vs staleness bound eta, naive vs decoupled PPO (the paper's Table 2), "
+            "IcePop and M2PO",
             description="Train --task (its shipped config, default chain) with eta in {0, 1, 2, 4, 8} under naive "
             "and decoupled PPO, one whole pipeline per run, from one warm-up model per seed; each cell is the mean "
             "+- sample sd over the seeds. The full grid is 5 x 2 x 3 seeds = 30 runs of the task's trainer.steps "
             "(arith: 1,200 steps, about 3 h on 2 idle CPU cores, 4-6 h on busy ones; chain: to be measured). "
             "--quick: eta 0 and 4, one seed, half the steps, 4 runs (arith: about 15 min idle, 21 min on 2 busy "
-            "cores).",
+            "cores). --large: eta in {0, 4, 8, 16, 32} x naive, decoupled, decoupled with IcePop and M2PO x 3 "
+            "seeds = 60 runs. --variants picks the objectives of any grid.",
         ),
     ),
     (

@@ -39,7 +39,7 @@ def step_settings(config: RunConfig) -> StepSettings:
     also need the rollout's generation budget and sampling temperature."""
     optim, loss, split = config.trainer.optim, config.trainer.loss, config.trainer.microbatch
     return StepSettings(
-        decoupled=loss.objective == "decoupled",
+        decoupled=loss.objective != "naive",  # M2PO's moments need pi_prox too
         minibatches=optim.minibatches,
         grad_clip=optim.grad_clip,
         temperature=config.rollout.temperature,
@@ -51,6 +51,10 @@ def step_settings(config: RunConfig) -> StepSettings:
             behaviour_weight_cap=loss.behaviour_weight_cap,
             behaviour_weight_mode=loss.behaviour_weight_mode,
             behaviour_weight_level=loss.behaviour_weight_level,
+            icepop_low=loss.icepop_low,
+            icepop_high=loss.icepop_high,
+            objective="m2po" if loss.objective == "m2po" else "ppo",
+            m2_threshold=loss.m2_threshold,
             aggregation=loss.aggregation,
             max_new_tokens=config.rollout.max_new_tokens,
             kl_coef=loss.kl_coef,

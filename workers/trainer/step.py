@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from workers.trainer.distributed import ONE_PROCESS, Collective, balance_rows, clip_gradients
-from workers.trainer.losses import LossSettings, batch_totals, decoupled_ppo_loss
+from workers.trainer.losses import LossSettings, batch_totals, decoupled_ppo_loss, m2po_cutoff, second_moments
 from workers.trainer.microbatch import Allocator, allocate_fixed
 from workers.trainer.packing import pack, use_packed_attention
 
@@ -159,6 +159,7 @@ def accumulate_gradients(
     totals: tuple[float, float] | None = None,
     reference: torch.nn.Module | None = None,
     dtype: torch.dtype = torch.float32,
+    m2_cutoff: float | None = None,
 ) -> tuple[dict[str, float], torch.Tensor]:
     """Backward of one minibatch's loss, one packed micro-batch at a time.
 
@@ -166,8 +167,8 @@ def accumulate_gradients(
     accumulated gradients (and the summed loss) are those of the minibatch in one
     piece. `totals`: those of the whole minibatch when `batch` is only one rank's
     share of it (default: `batch`'s own). `reference`: a frozen model whose logprobs
-    the KL penalty needs (with `loss.kl_coef` > 0). `dtype`: the forwards' autocast dtype.
-    Returns the stats and this pass's logprobs, [N, T-1], detached.
+    the KL penalty needs (with `loss.kl_coef` > 0). `dtype`: the forwards' autocast dtype. `m2_cutoff`: M2PO's
+    mask of the whole minibatch (`m2po_mask`). Returns the stats and this pass's logprobs, [N, T-1], detached.
     """
     totals = totals if totals is not None else batch_totals(batch.loss_mask)
     own_logp = torch.zeros_like(batch.behav_logp)  # [N, T-1]
@@ -181,7 +182,7 @@ def accumulate_gradients(
             with torch.no_grad():
                 ref_logp = packed_logprobs(reference, mb, temperature, dtype)[0]  # [n, T-1]
         value, loss_stats = decoupled_ppo_loss(
-            logp, mb_prox, mb.behav_logp, mb.advantages, mb.loss_mask, loss, totals=totals, ref_logp=ref_logp
+            logp, mb_prox, mb.behav_logp, mb.advantages, mb.loss_mask, loss, totals, ref_logp, m2_cutoff
         )
         value.backward()
         own_logp[rows] = logp.detach()
@@ -255,16 +256,15 @@ def train_step(
     lengths = shares.lengths
     chunks = [chunk.tolist() for chunk in torch.arange(len(lengths)).chunk(settings.minibatches)]
     trained = [rows_that_train(batch, chunk, lengths, settings.loss) for chunk in chunks]
-    mine = [  # this rank's rows of each minibatch
-        [rows[i] for i in balance_rows([lengths[r] for r in rows], ranks.world)[ranks.rank]] for rows in trained
-    ]
+    mine = [rank_rows(rows, lengths, ranks) for rows in trained]
     clock = clock or PhaseClock()
-    prox = arrival_logprobs(model, batch, shares, mine[1:], settings)  # [N, T-1]
+    prox = arrival_logprobs(model, batch, shares, mine, settings)  # [N, T-1]
     clock.lap("time_prox")
     parts, skipped = [], []
     for index, (chunk, rows) in enumerate(zip(chunks, mine, strict=True)):
-        own_prox = settings.decoupled and index == 0
+        own_prox = settings.decoupled and index == 0 and settings.loss.objective != "m2po"
         indices, share, plan = shares.of(rows)
+        m2_cutoff, m2_stats = m2po_mask(share, prox[indices], settings.loss, ranks)
         optimizer.zero_grad(set_to_none=True)
         stats, logp = accumulate_gradients(
             model,
@@ -276,6 +276,7 @@ def train_step(
             totals=batch_totals(batch.loss_mask[chunk]),
             reference=reference,
             dtype=settings.dtype,
+            m2_cutoff=m2_cutoff,
         )
         if own_prox:
             prox[indices[: len(rows)]] = logp[: len(rows)]
@@ -284,14 +285,41 @@ def train_step(
         grad_norm, reason = apply_update(model, optimizer, gathered["loss"], settings.grad_clip)
         clock.lap("time_optimizer")
         skipped += [f"minibatch {index}: {reason}"] if reason else []
-        parts.append({**gathered, "grad_norm": grad_norm})
+        parts.append({**gathered, **m2_stats, "grad_norm": grad_norm})
     own = [r for rows in mine for r in rows]
     stats = {**combine(parts, statistics.fmean), "prox_behav_abs_diff": prox_behav_abs_diff(batch, prox, own, ranks)}
     stats["zero_advantage_rows"] = len(lengths) - sum(map(len, trained))  # rows whose pass was skipped (or kept)
     return {**stats, "skipped_updates": len(skipped), **({"skip_reason": "; ".join(skipped)} if skipped else {})}
 
 
-TOKEN_MEANS = ("entropy", "clip_fraction", "ratio_mean", "behaviour_weight_mean", "behaviour_weight_over_cap", "kl_ref")
+def rank_rows(rows: list[int], lengths: list[int], ranks: Collective) -> list[int]:
+    """This rank's `balance_rows` share of a minibatch's `rows`."""
+    return [rows[i] for i in balance_rows([lengths[r] for r in rows], ranks.world)[ranks.rank]]
+
+
+TOKEN_MEANS = (
+    "entropy",
+    "clip_fraction",
+    "ratio_mean",
+    "behaviour_weight_mean",
+    "behaviour_weight_over_cap",
+    "icepop_masked",
+    "m2po_masked",
+    "kl_ref",
+)
+
+
+def m2po_mask(
+    share: TrainBatch, prox: torch.Tensor, loss: LossSettings, ranks: Collective
+) -> tuple[float | None, dict[str, float]]:
+    """M2PO's cutoff over every trained token of the minibatch (`m2po_cutoff`), whichever rank holds it: the
+    second moments of this rank's `share` (pi_prox `prox`, [n, T-1]) gathered with the other ranks' (fillers
+    have no trained token), so every rank and every micro-batch cuts at the same moment. (None, {}) unless M2PO."""
+    if loss.objective != "m2po":
+        return None, {}
+    m2 = second_moments(prox, share.behav_logp, share.loss_mask)[share.loss_mask > 0]  # [k]
+    every = [v for part in ranks.gather({"m2": m2.tolist()}) for v in part["m2"]]
+    return m2po_cutoff(torch.tensor(every, dtype=torch.float64), loss.m2_threshold)
 
 
 def rows_that_train(batch: TrainBatch, chunk: list[int], lengths: list[int], loss: LossSettings) -> list[int]:
@@ -330,10 +358,12 @@ class PhaseClock:
 
 @torch.no_grad()
 def arrival_logprobs(
-    model: torch.nn.Module, batch: TrainBatch, shares: RankShare, later: list[list[int]], settings: StepSettings
+    model: torch.nn.Module, batch: TrainBatch, shares: RankShare, mine: list[list[int]], settings: StepSettings
 ) -> torch.Tensor:
-    """pi_prox of this rank's rows of the `later` minibatches, on the weights the batch arrived at (the first
-    minibatch's comes from its own pass); pi_behav elsewhere, and everywhere for naive PPO. [N, T-1]"""
+    """pi_prox of this rank's rows of the minibatches (`mine`) after the first, on the weights the batch arrived
+    at (the first minibatch's comes from its own pass; M2PO's mask needs it before, so for M2PO of all of them);
+    pi_behav elsewhere, and everywhere for naive PPO. [N, T-1]"""
+    later = mine if settings.loss.objective == "m2po" else mine[1:]
     prox = batch.behav_logp.clone()  # [N, T-1]
     if settings.decoupled and later:
         indices, share, plan = shares.of([r for rows in later for r in rows])

@@ -6,6 +6,7 @@ built from them is the real code.
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -344,3 +345,57 @@ def test_the_grid_hands_on_its_rows_after_every_run_and_stops_at_one_that_did_no
     rows, failed = staleness.run_grid(configs, progress=False, on_row=lambda rows: saved.append(len(rows)))
     assert saved == [1, 2] and failed == Setting(8, "naive", 1)
     assert {r["objective"] for r in rows} == finished and all(r["eta"] == 4 for r in rows)
+
+
+def test_large_grid_is_eta_up_to_32_every_variant_3_seeds():
+    plan = staleness.plan_for(args_for("--large"), task_steps=200)
+    runs = staleness.grid(plan)
+    assert plan.etas == (0, 4, 8, 16, 32) and plan.seeds == (0, 1, 2) and len(runs) == 5 * 4 * 3
+    assert runs[:4] == [Setting(0, v, 0) for v in ("naive", "decoupled", "icepop", "m2po")]
+    assert staleness.prepare(args_for("--large")).out.name == "staleness-chain-large.json"
+    with pytest.raises(SystemExit):
+        args_for("--large", "--quick")
+
+
+def test_variants_pick_the_objectives_in_their_order_and_set_each_ones_loss():
+    plan = staleness.plan_for(args_for("--variants", "m2po", "naive", "--etas", "32", "--seeds", "0"), 100)
+    assert staleness.grid(plan) == [Setting(32, "naive", 0), Setting(32, "m2po", 0)]
+    common = ["trainer.loss.behaviour_weight_cap=3", "runs_dir=/tmp/x"]  # a cap for the grid: not IcePop's or M2PO's
+    configs = staleness.run_configs(replace(plan, variants=tuple(staleness.VARIANTS)), "chain", common)
+    losses = {s.objective: c.trainer.loss for s, c in configs.items()}
+    assert {
+        v: (loss.objective, loss.behaviour_weight_mode, loss.behaviour_weight_cap) for v, loss in losses.items()
+    } == {
+        "naive": ("naive", "cap", 3.0),
+        "decoupled": ("decoupled", "cap", 3.0),
+        "icepop": ("decoupled", "icepop", 0.0),
+        "m2po": ("m2po", "cap", 0.0),
+    }
+
+
+def test_every_variant_has_its_gap_to_naive_its_masked_share_and_its_panel(tmp_path):
+    rows = fake_rows()
+    for objective, final, masked in (("icepop", [0.6, 0.62], 0.01), ("m2po", [0.4, 0.44], 0.002)):
+        for seed in (0, 1):
+            summary, lines = fake_run(Setting(4, objective, seed), final[seed])
+            lines = [{**l, f"{objective}_masked": masked} if l["source"] == "trainer" else l for l in lines]
+            rows.append(staleness.measure(Setting(4, objective, seed), summary, lines))
+    assert {r["objective"]: r["masked_fraction_mean"] for r in rows if r["eta"] == 4} == {
+        "naive": 0.0,
+        "decoupled": 0.0,
+        "icepop": 0.01,
+        "m2po": 0.002,
+    }
+    text = staleness.table(report_of(rows))
+    assert "eta 4: icepop - naive = +29.0 ± 1.4 final" in text  # per seed: +30, +28 points
+    assert "eta 4: m2po - naive = +10.0 ± 0.0 final" in text
+    assert [line.split()[0] for line in text.splitlines()[2:8]] == [
+        "naive",
+        "naive",
+        "decoupled",
+        "decoupled",
+        "icepop",
+        "m2po",
+    ]
+    staleness.plot(report_of(rows), tmp_path / "four.png")
+    assert (tmp_path / "four.png").stat().st_size > 10_000

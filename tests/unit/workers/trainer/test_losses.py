@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from workers.trainer.advantages import ESTIMATORS, drgrpo_advantages, grpo_advantages, rloo_advantages
-from workers.trainer.losses import LossSettings, decoupled_ppo_loss
+from workers.trainer.losses import LossSettings, decoupled_ppo_loss, m2po_cutoff
 
 
 def logs(*probs: float) -> torch.Tensor:
@@ -176,6 +176,83 @@ def test_aggregations_by_hand_and_split_into_microbatches(aggregation, expected)
     assert sum(parts) == pytest.approx(expected)
 
 
+@pytest.mark.parametrize(
+    ("options", "expected", "masked"),
+    [
+        # the paper's band [0.5, 5] holds every token weight (2, 0.75, 1, 1): as no cap
+        (dict(), -1.30625, 0.0),
+        # band [0.8, 1.5]: 2 is above, 0.75 below, both dropped (still counted in the 4 tokens): -1.1 * 2 / 4
+        (dict(icepop_low=0.8, icepop_high=1.5), -0.55, 0.5),
+        # sequence weights 1.5, 1.5, 1, 1 and band [0.5, 1.2]: row 0 dropped whole
+        (dict(icepop_high=1.2, behaviour_weight_level="sequence"), -0.55, 0.5),
+    ],
+)
+def test_icepop_drops_weights_outside_its_band_by_hand(options, expected, masked):
+    loss, stats = weighted(behaviour_weight_mode="icepop", **options)
+    assert loss.item() == pytest.approx(expected)
+    assert stats["icepop_masked"] == masked
+    assert "behaviour_weight_over_cap" not in stats
+    assert stats["behaviour_weight_max"] == pytest.approx(2.0 if options.get("behaviour_weight_level") is None else 1.5)
+
+
+def test_icepop_gradient_is_zero_on_dropped_tokens_and_weighted_elsewhere():
+    table = lambda rows: torch.tensor(rows, dtype=torch.float64).log()  # noqa: E731
+    theta = table(THETA).requires_grad_(True)
+    ones = torch.ones(2, 2, dtype=torch.float64)
+    settings = LossSettings(clip_eps=0.2, behaviour_weight_mode="icepop", icepop_low=0.8, icepop_high=1.5)
+    decoupled_ppo_loss(theta, table(PROX), table(BEHAV), ones, ones, settings)[0].backward()
+    # kept tokens: d/dlogp of -w * r * A / 4 = -1 * 1.1 / 4; the dropped ones (w = 2, 0.75) get none
+    assert theta.grad.flatten().tolist() == pytest.approx([0.0, 0.0, -0.275, -0.275])
+
+
+@pytest.mark.parametrize(
+    ("m2", "threshold", "cutoff", "kept_mean"),
+    [
+        # ascending prefix means 0, 0.005, 0.01, 0.03, 0.224: the 4 smallest fit under 0.04, 1.0 goes
+        ([1.0, 0.0, 0.09, 0.01, 0.02], 0.04, 0.09, 0.03),
+        # under 0.02 only the 3 smallest (mean 0.01) fit: 0.09 and 1.0 go
+        ([1.0, 0.0, 0.09, 0.01, 0.02], 0.02, 0.02, 0.01),
+        # the two 0.07 go together: with one of them the mean is 0.035, with both 0.0467
+        ([0.07, 0.0, 0.07], 0.04, 0.0, 0.0),
+        # no token is close enough: none kept
+        ([0.5, 0.6], 0.04, float("-inf"), 0.0),
+        # everything fits: nothing dropped
+        ([0.01, 0.03], 0.04, 0.03, 0.02),
+    ],
+)
+def test_m2po_cutoff_drops_the_fewest_largest_moments_by_hand(m2, threshold, cutoff, kept_mean):
+    got, stats = m2po_cutoff(torch.tensor(m2, dtype=torch.float64), threshold)
+    assert got == pytest.approx(cutoff)
+    assert stats == pytest.approx({"m2po_m2": sum(m2) / len(m2), "m2po_m2_kept": kept_mean})
+
+
+# One row, three tokens: pi_behav 0.5 each, pi_prox 0.5, 0.55, 0.25, pi_theta 0.8, 0.55, 0.3, A = 2, -1, 3.
+#   second moments (log pi_prox/pi_behav)^2: 0, log(1.1)^2 = 0.0091, log(0.5)^2 = 0.4805 -> under 0.04 the
+#   last goes; pi_theta/pi_behav = 1.6, 1.1, 0.6 (no clip: PPO would cut 1.6 at 1.2).
+M2PO = LossSettings(clip_eps=0.2, objective="m2po", m2_threshold=0.04)
+
+
+def m2po_loss(theta, **kwargs):
+    adv = torch.tensor([[2.0, -1.0, 3.0]], dtype=torch.float64)
+    mask = torch.ones(1, 3, dtype=torch.float64)
+    return decoupled_ppo_loss(theta, logs(0.5, 0.55, 0.25), logs(0.5, 0.5, 0.5), adv, mask, M2PO, **kwargs)
+
+
+def test_m2po_loss_gradient_and_stats_by_hand():
+    theta = logs(0.8, 0.55, 0.3).requires_grad_(True)
+    loss, stats = m2po_loss(theta)
+    loss.backward()
+    # -(1.6 * 2 + 1.1 * -1) / 3 tokens (the dropped one still counts)
+    assert loss.item() == pytest.approx(-0.7)
+    # d/dlogp of -r * A / 3 = -r * A / 3, none for the dropped token
+    assert theta.grad[0].tolist() == pytest.approx([-3.2 / 3, 1.1 / 3, 0.0])
+    assert stats["m2po_masked"] == pytest.approx(1 / 3)
+    assert stats["clip_fraction"] == 0.0
+    assert stats["behaviour_weight_mean"] == pytest.approx((1 + 1.1 + 0.5) / 3)
+    # the cutoff of a whole minibatch, here one that keeps every token, overrides this batch's own
+    assert m2po_loss(theta.detach(), m2_cutoff=1.0)[0].item() == pytest.approx(-(3.2 - 1.1 + 1.8) / 3)
+
+
 def test_bad_options_raise():
     with pytest.raises(ValueError, match="max_new_tokens"):
         aggregated(aggregation="token_sum_norm")
@@ -183,6 +260,8 @@ def test_bad_options_raise():
         aggregated(aggregation="sum")
     with pytest.raises(ValueError, match="mode"):
         weighted(behaviour_weight_mode="clip")
+    with pytest.raises(ValueError, match="mode"):
+        weighted(behaviour_weight_mode="clip", behaviour_weight_cap=1.2)
     with pytest.raises(ValueError, match="level"):
         weighted(behaviour_weight_level="group")
 

@@ -64,16 +64,26 @@ def tampered(batch: TrainBatch) -> TrainBatch:
     return TrainBatch(batch.input_ids, batch.attention_mask, batch.loss_mask, behav, advantages, batch.prompt_lengths)
 
 
+M2PO = LossSettings(clip_eps=0.2, objective="m2po", m2_threshold=1.0)
+TWO_MICRO = allocator("fixed", 0, 0, 2)
+
+
 @pytest.mark.parametrize(
-    ("decoupled", "minibatches", "split"),
-    [(False, 1, WHOLE_BATCH), (True, 1, WHOLE_BATCH), (True, 2, WHOLE_BATCH), (True, 1, allocator("fixed", 0, 0, 2))],
-    ids=["naive", "decoupled", "2 minibatches", "2 micro-batches"],
+    ("decoupled", "minibatches", "split", "loss"),
+    [
+        (False, 1, WHOLE_BATCH, PPO),
+        (True, 1, WHOLE_BATCH, PPO),
+        (True, 2, WHOLE_BATCH, PPO),
+        (True, 1, TWO_MICRO, PPO),
+        (True, 1, TWO_MICRO, M2PO),
+    ],
+    ids=["naive", "decoupled", "2 minibatches", "2 micro-batches", "m2po"],
 )
-def test_tool_tokens_change_neither_the_update_nor_its_stats(model, decoupled, minibatches, split):
+def test_tool_tokens_change_neither_the_update_nor_its_stats(model, decoupled, minibatches, split, loss):
     """Whatever the masked positions hold, the step is bit for bit the same: the packed forward, the loss,
     the gradients, the AdamW update and every statistic (entropy, clip fraction, behaviour weights)."""
     batch = collate(TOOL_SEQS, ADV, pad_id=0)
-    settings = StepSettings(decoupled, minibatches, grad_clip=1.0, temperature=1.0, loss=PPO, split=split)
+    settings = StepSettings(decoupled, minibatches, grad_clip=1.0, temperature=1.0, loss=loss, split=split)
     results = []
     for data in (batch, tampered(batch)):
         local = copy.deepcopy(model)
@@ -148,3 +158,25 @@ def test_rows_without_advantage_are_skipped_and_the_update_is_unchanged(model, a
     stats = step_like_the_textbook(model, collate(SEQS, advantages, pad_id=0), minibatches)
     assert stats["zero_advantage_rows"] == skipped and stats["microbatches"] == 1  # per minibatch
     assert 0.9 < stats["ratio_mean"] < 1.1  # a mean over the tokens that ran, not diluted by the skipped ones
+
+
+def test_m2po_masks_over_the_whole_minibatch_whatever_its_micro_batches(model):
+    """M2PO's mask is cut once over every trained token of the minibatch: split into two micro-batches, the step
+    drops the same tokens and ends at the same weights. The threshold keeps the 3 smallest of the 6 moments."""
+    batch = collate(SEQS, ADV, pad_id=0)
+    with torch.no_grad():
+        prox = token_logprobs(model, batch, 1.0)  # [N, T-1]
+    m2 = ((prox - batch.behav_logp) ** 2)[batch.loss_mask > 0].sort().values  # [6]
+    between = (m2[:3].mean() + m2[:4].mean()).item() / 2  # the mean of the 3 smallest fits, of the 4 smallest not
+    loss = LossSettings(clip_eps=0.2, objective="m2po", m2_threshold=between)
+    runs = []
+    for split in (WHOLE_BATCH, TWO_MICRO):
+        local = copy.deepcopy(model)
+        settings = StepSettings(True, 1, grad_clip=1.0, temperature=1.0, loss=loss, split=split)
+        runs.append((train_step(local, comparable_optimizer(local), batch, settings), list(local.parameters())))
+    (whole, weights), (split, split_weights) = runs
+    assert whole["m2po_masked"] == split["m2po_masked"] == 0.5 and split["microbatches"] == 2
+    assert whole["m2po_m2"] == pytest.approx(m2.mean().item()) and whole["m2po_m2_kept"] <= loss.m2_threshold
+    assert whole["clip_fraction"] == 0.0 and whole["grad_norm"] > 0
+    for got, want in zip(split_weights, weights, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
