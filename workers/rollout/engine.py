@@ -48,11 +48,12 @@ from itertools import accumulate
 
 import torch
 
+from workers.lora import VersionLoader
 from workers.models import avoid_cudnn_attention
 from workers.rollout.forward import Batch, Chunk, make_forward
 from workers.rollout.protocol import EngineStats, SamplingParams, Sequence, check_request, stop_cut
 from workers.rollout.sampling import SlotSampling
-from workers.weights import WeightsFile, load_into, read_verified
+from workers.weights import WeightsFile, verified_bytes
 
 CAPACITY_STEP = 64  # slot capacity (positions) grows in multiples of this
 SLOT_STEP = 8  # the cache's slot rows grow in multiples of this, up to max_batch
@@ -136,6 +137,7 @@ class Engine:
         self.max_len = getattr(config, "max_position_embeddings", None)
         self.vocab = model.get_input_embeddings().num_embeddings
         self.forward = make_forward(model, forward)
+        self.loader = VersionLoader(model)  # after `fuse`: it writes into the layout the forward reads
         heads = config.num_attention_heads
         self.kv_shape = (
             config.num_hidden_layers,
@@ -230,8 +232,9 @@ class Engine:
         as PipelineRL's when the lag is unbounded): most sequences of a long-tailed task end
         before they are recomputed once. Each token's logprob is the one it was sampled
         with either way. A missing file raises FileNotFoundError before anything changed.
+        A LoRA version (an adapter) is merged into the base weights (`workers.lora.VersionLoader`).
         """
-        load_into(self.model, read_verified(weights))  # outside inference mode: parameters stay normal tensors
+        self.loader.load_bytes(verified_bytes(weights))  # outside inference mode: parameters stay normal tensors
         self.version = weights.version
         self.weight_updates += 1
         stale = [seq for seq in self.slots[: self.decoding] if self.version - self.cached_at[seq.key] > self.cache_lag]
