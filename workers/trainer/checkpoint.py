@@ -51,6 +51,8 @@ def save(
     (a LoRA run's base model) are left out: a restart loads them from model.path as the first start did."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    model_state = {name: t for name, t in model_state.items() if name not in frozen}  # a tied alias of one, too
     final = directory / f"step_{state.step:06d}.pt"
     if not _is_writer():
         return final
