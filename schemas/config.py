@@ -46,7 +46,7 @@ class LoraConfig(Section):
         int,
         doc(
             "LoRA rank r: the trainer trains B·A (r x in, out x r) on each target module, its base frozen, and a "
-            "version is the adapter alone; 0 = off, full fine-tuning (docs: Running a real model)",
+            "version is the adapter alone; 0 = off, full fine-tuning (docs: Train a real model, LoRA)",
             ge=0,
         ),
     ] = 0
