@@ -106,7 +106,7 @@ def adapter_pairs(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Ten
 def merged(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """W0 + scale·B·A, [out, in], computed in float32 (one addmm: the fewest passes over W0) and rounded once to
     W0's dtype."""
-    return base.float().addmm_(b.float(), a.float(), alpha=scale).to(base.dtype)  # [out, in]
+    return base.to(torch.float32, copy=True).addmm_(b.float(), a.float(), alpha=scale).to(base.dtype)  # [out, in]
 
 
 class VersionLoader:
