@@ -47,7 +47,7 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ConfigError("--version needs --run DIR (a model directory has one version)")
     try:
         target = run_target(Path(args.run), run, args.version or "latest") if run else Target(model_dir(args.model))
-        tensors = read_checked(target, Path(args.run)) if target.weights else None
+        loaded = read_checked(target, Path(args.run)) if target.weights else None
     except WeightsError as exc:
         print(f"asyncrl: {exc}", file=sys.stderr)
         return 1
@@ -58,7 +58,7 @@ def run_eval(args: argparse.Namespace) -> int:
     device, dtype = device_and_dtype(args, run)
     set_threads(args.threads or (run.rollout.threads if run else 1))
     scorer = RewardCalls(reward, task, run.reward if run else RewardConfig())  # as the run's reward worker calls it
-    evaluator = build_evaluator(target, tensors, rows, scorer, settings, device, dtype)
+    evaluator = build_evaluator(target, loaded, rows, scorer, settings, device, dtype)
     try:
         result = asyncio.run(evaluator.evaluate(progress=not args.no_progress))
     finally:
@@ -163,9 +163,9 @@ def announced_hash(run_dir: Path, version: int) -> str | None:
     return None
 
 
-def read_checked(target: Target, run_dir: Path) -> dict:
-    """The tensors of the target's version from one read of its file: the bytes the trainer announced (where the
-    run's topics export says which), whole, and of that version; WeightsError saying why not."""
+def read_checked(target: Target, run_dir: Path) -> tuple[dict, dict[str, str]]:
+    """The tensors and metadata of the target's version from one read of its file: the bytes the trainer announced
+    (where the run's topics export says which), whole, and of that version; WeightsError saying why not."""
     import safetensors.torch
 
     from workers.weights import WeightsFile, file_metadata, verified_bytes
@@ -175,7 +175,8 @@ def read_checked(target: Target, run_dir: Path) -> dict:
     except FileNotFoundError as exc:
         raise WeightsError(str(exc)) from None
     try:
-        tensors, recorded = safetensors.torch.load(data), file_metadata(data).get("version")
+        tensors, metadata = safetensors.torch.load(data), file_metadata(data)
+        recorded = metadata.get("version")
     except Exception as exc:  # safetensors' own error type for a torn header or body
         raise WeightsError(
             f"weights v{target.version}: {target.weights} is unreadable ({type(exc).__name__}: {exc}); "
@@ -183,7 +184,7 @@ def read_checked(target: Target, run_dir: Path) -> dict:
         ) from None
     if recorded is not None and recorded != str(target.version):
         raise WeightsError(f"weights v{target.version}: {target.weights} holds version {recorded}")
-    return tensors
+    return tensors, metadata
 
 
 def default_reward(args: argparse.Namespace, run: RunConfig | None) -> str:
@@ -288,7 +289,7 @@ def set_threads(threads: int) -> None:
 
 def build_evaluator(
     target: Target,
-    tensors: dict | None,
+    version: tuple[dict, dict[str, str]] | None,
     rows: list[Row],
     scorer: RewardCalls,
     settings: EvalSettings,
@@ -297,12 +298,12 @@ def build_evaluator(
 ) -> Evaluator:
     from transformers import AutoTokenizer
 
+    from workers.lora import VersionLoader
     from workers.models import load_causal_lm
-    from workers.weights import load_into
 
     model = load_causal_lm(target.model, dtype, device)
-    if tensors is not None:
-        load_into(model, tensors)
+    if version is not None:  # (tensors, metadata): a whole version, or a LoRA adapter merged into the base
+        VersionLoader(model).load(*version)
     return Evaluator(model, AutoTokenizer.from_pretrained(target.model), rows, scorer, settings)
 
 

@@ -7,14 +7,21 @@ loads: config.json, generation_config.json, model.safetensors (in the dtype the 
 so greedy outputs equal the run's engine at that version), the tokenizer (with its chat
 template), and asyncrl.json naming the run, version and the version file's sha256.
 `asyncrl run` exports its final version to `<run dir>/final-model/`.
+
+A LoRA run's version is an adapter: the export merges it into the base model (W0 + scale·B·A, as the
+rollout engine does, `workers.lora`), or with `adapter=True` (`--adapter`) writes the adapter alone as a
+PEFT directory (adapter_config.json, adapter_model.safetensors) that `PeftModel.from_pretrained` loads
+onto the base model, with the tokenizer and asyncrl.json beside it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
 
+import safetensors.torch
 import torch
 
 from pipeline.config import ConfigError, load_config
@@ -66,12 +73,15 @@ def clear_out_dir(out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
 
 
-def export_model(run_dir: str | Path, version: int | None, out_dir: str | Path) -> Path:
+def export_model(run_dir: str | Path, version: int | None, out_dir: str | Path, adapter: bool = False) -> Path:
     """Write weight `version` of the run (None: the newest on disk) as a Hugging Face model directory at
-    `out_dir`; returns `out_dir`. ConfigError (one line) when the run, its config, base model or version is missing."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    `out_dir` (a LoRA version merged into the base; `adapter`: the adapter alone, as PEFT saves one); returns
+    `out_dir`. ConfigError (one line) when the run, its config, base model or version is missing, or `adapter` is
+    asked of a whole version."""
+    from transformers import AutoTokenizer
 
-    from workers.weights import file_hash, load_into, read_version
+    from workers.lora import is_adapter, write_adapter_dir
+    from workers.weights import file_metadata
 
     run_dir, out_dir = Path(run_dir).resolve(), Path(out_dir).resolve()
     config = run_config(run_dir)
@@ -80,23 +90,24 @@ def export_model(run_dir: str | Path, version: int | None, out_dir: str | Path) 
     base = on_disk(config.model.path, run_dir / "model")
     if not (base / "config.json").is_file():
         raise ConfigError(f"model.path {base}: no Hugging Face model there (its config and tokenizer are exported)")
+    data = path.read_bytes()
+    if adapter and not is_adapter(file_metadata(data)):
+        raise ConfigError(f"--adapter: version {version} is a whole model, not a LoRA adapter (model.lora.rank 0)")
     clear_out_dir(out_dir)
-    tensors = read_version(path)
+    tensors = safetensors.torch.load(data)
     dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)  # as published
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype)
-    load_into(model, tensors)
     tokenizer = AutoTokenizer.from_pretrained(str(base))
-    generation = model.generation_config
-    for name in ("eos_token_id", "pad_token_id", "bos_token_id"):  # generate() stops and pads as the run did
-        if getattr(generation, name, None) is None and getattr(tokenizer, name, None) is not None:
-            setattr(generation, name, getattr(tokenizer, name))
-    model.save_pretrained(str(out_dir))
+    if adapter:
+        write_adapter_dir(data, out_dir, str(base))
+    else:
+        write_model(base, data, dtype, tokenizer, out_dir)
     tokenizer.save_pretrained(str(out_dir))
     note = {
         "run": str(run_dir),
         "version": version,
         "weights_file": str(path),
-        "sha256": file_hash(path),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "adapter": adapter,
         "dtype": str(dtype).removeprefix("torch."),
         "base_model": str(base),
         "template": config.data.template,
@@ -107,15 +118,38 @@ def export_model(run_dir: str | Path, version: int | None, out_dir: str | Path) 
     return out_dir
 
 
+def write_model(base: Path, data: bytes, dtype: torch.dtype, tokenizer, out_dir: Path) -> None:
+    """The base model in `dtype` with the version in `data` loaded (an adapter merged), saved to `out_dir`."""
+    from transformers import AutoModelForCausalLM
+
+    from workers.lora import VersionLoader
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype)
+    VersionLoader(model).load_bytes(data)
+    generation = model.generation_config
+    for name in ("eos_token_id", "pad_token_id", "bos_token_id"):  # generate() stops and pads as the run did
+        if getattr(generation, name, None) is None and getattr(tokenizer, name, None) is not None:
+            setattr(generation, name, getattr(tokenizer, name))
+    model.save_pretrained(str(out_dir))
+
+
 def readme(note: dict) -> str:
     """A few lines for whoever finds the directory: where it came from and how to load it."""
     prompt = "the tokenizer's chat template" if note["template"] == "chat" else "the prompt text as is (raw)"
+    load = (
+        "    from peft import PeftModel\n"
+        "    from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), THIS_DIRECTORY)\n"
+        if note["adapter"]
+        else "    from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "    model = AutoModelForCausalLM.from_pretrained(THIS_DIRECTORY)\n"
+    )
+    what = "A LoRA adapter" if note["adapter"] else "Weights"
     return (
         f"# asyncrl export: version {note['version']} of {Path(note['run']).name}\n\n"
-        f"Weights {note['weights_file']} (sha256 {note['sha256']}), {note['dtype']}, on the architecture and "
-        f"tokenizer of {note['base_model']}. The run encoded prompts with {prompt}.\n\n"
-        "    from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-        "    model = AutoModelForCausalLM.from_pretrained(THIS_DIRECTORY)\n"
+        f"{what} {note['weights_file']} (sha256 {note['sha256']}), {note['dtype']}, on the architecture and "
+        f"tokenizer of {note['base_model']} (BASE). The run encoded prompts with {prompt}.\n\n"
+        f"{load}"
         "    tokenizer = AutoTokenizer.from_pretrained(THIS_DIRECTORY)\n"
     )
 

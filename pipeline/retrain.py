@@ -20,7 +20,7 @@ from schemas.config import RunConfig
 from schemas.messages import BatchManifest, Scored
 from schemas.validate import DecodeError, decode
 from topics.inspect import RawRecord
-from workers import runtime
+from workers import lora, runtime
 from workers.trainer import checkpoint
 from workers.trainer.buffer import GroupBuffer
 from workers.trainer.model import Trainer, checkpoints_dir
@@ -65,7 +65,8 @@ def recorded_weights(config: RunConfig, step: int) -> tuple[Path, dict[str, torc
         return path, read_version(path)
     saved = checkpoints_dir(config) / f"step_{step:06d}.pt"
     if saved.exists():
-        return saved, torch.load(saved, weights_only=False)["model"]
+        model = torch.load(saved, weights_only=False)["model"]
+        return saved, lora.published_names(model) if lora.enabled(config.model.lora) else model
     raise RetrainError(
         f"version {step} is no longer on disk (neither {path} nor {saved}): "
         "raise trainer.checkpoint.keep_versions or trainer.checkpoint.keep to keep more"

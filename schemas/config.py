@@ -36,6 +36,31 @@ class BrokerConfig(Section):
     ] = AUTO
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(Section):
+    """model.lora: train a low-rank adapter on the frozen base model (PEFT) instead of every weight."""
+
+    rank: Annotated[
+        int,
+        doc(
+            "LoRA rank r: the trainer trains B·A (r x in, out x r) on each target module, its base frozen, and a "
+            "version is the adapter alone; 0 = off, full fine-tuning (docs: Train a real model, LoRA)",
+            ge=0,
+        ),
+    ] = 0
+    alpha: Annotated[float, doc("LoRA alpha: a module computes W0·x + (alpha / rank)·B·A·x", gt=0)] = 32.0
+    dropout: Annotated[float, doc("dropout on the adapter's input in the trainer's forwards", ge=0, lt=1)] = 0.0
+    target_modules: Annotated[
+        tuple[Annotated[str, msgspec.Meta(min_length=1)], ...],
+        doc(
+            "names of the linear modules adapted (PEFT's target_modules: a module whose name ends with one)",
+            min_length=1,
+        ),
+    ] = LORA_TARGETS
+
+
 class ModelConfig(Section):
     path: Annotated[
         str,
@@ -59,6 +84,7 @@ class ModelConfig(Section):
             " none (a random model), auto = the task's own cap"
         ),
     ] = AUTO
+    lora: LoraConfig = LoraConfig()
 
 
 class DataConfig(Section):

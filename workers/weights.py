@@ -164,18 +164,23 @@ def check_hash(path: Path, version: int, actual: str, expected: str) -> None:
         raise WeightsError(f"weights v{version}: {path} has sha256 {actual[:16]}..., announced {expected[:16]}...")
 
 
-def write_version(tensors: dict[str, torch.Tensor], weights_dir: Path, version: int, keep: int) -> tuple[Path, str]:
+def write_version(
+    tensors: dict[str, torch.Tensor], weights_dir: Path, version: int, keep: int, metadata: dict[str, str] | None = None
+) -> tuple[Path, str]:
     """Write the whole weights (`unique_state_dict`, or FSDP2's gathered `full_state_dict`) as version
     `version`, atomically; of the versions up to it, delete all but the newest `keep` (it first: a newer file
     is one a restarted trainer writes again, or removed by `drop_versions_after`). Returns (path, sha256).
-    NonFiniteWeights, with nothing written, when a tensor holds NaN or inf."""
+    NonFiniteWeights, with nothing written, when a tensor holds NaN or inf. `metadata`: more of the file's header
+    metadata (a LoRA adapter's, `workers.lora.adapter_metadata`)."""
     if bad := non_finite(tensors):
         raise NonFiniteWeights(f"weights v{version} not published: NaN or inf in {len(bad)} tensors ({bad[0]}, ...)")
     weights_dir.mkdir(parents=True, exist_ok=True)
     final = version_path(weights_dir, version)
     partial = final.with_suffix(".partial")
     with open(partial, "wb") as stream:
-        digest = write_safetensors(tensors, stream, {"version": str(version)})  # hashed while written: no read-back
+        digest = write_safetensors(
+            tensors, stream, {**(metadata or {}), "version": str(version)}
+        )  # hashed while written: no read-back
     os.replace(partial, final)
     for old in [v for v in versions_on_disk(weights_dir) if v <= version][:-keep]:
         version_path(weights_dir, old).unlink(missing_ok=True)

@@ -22,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from pipeline.cli import main as cli_main
 from pipeline.config import load_config, resolve, save_config
 from schemas.messages import BatchManifest, PromptGroup, Scored, WeightVersion
 from tests.factories import tiny_qwen2
@@ -29,6 +30,7 @@ from topics.admin import ensure_topics
 from topics.clients import make_producer, send
 from topics.names import TopicLayout
 from topics.readers import read_topic
+from workers.trainer import worker as trainer_worker
 
 pytestmark = pytest.mark.e2e
 
@@ -92,7 +94,7 @@ async def record(bootstrap: str, prefix: str, releases: list[PromptGroup], score
         await producer.flush()
 
 
-def write_config(tmp_path: Path, model_dir: Path, bootstrap: str, name: str) -> Path:
+def write_config(tmp_path: Path, model_dir: Path, bootstrap: str, name: str, *extra: str) -> Path:
     overrides = [
         f"name={name}",
         f"runs_dir={tmp_path / 'runs'}",
@@ -109,6 +111,7 @@ def write_config(tmp_path: Path, model_dir: Path, bootstrap: str, name: str) -> 
         "trainer.microbatch.max_tokens=24",
         "trainer.loss.kl_coef=0.05",
         "trainer.max_staleness=4",
+        *extra,
     ]
     path = tmp_path / f"{name}.yaml"
     save_config(resolve(load_config(None, overrides)), path)  # as `asyncrl prepare` writes a run's config.yaml
@@ -173,20 +176,15 @@ def straight_run(broker, tmp_path_factory, model_dir) -> tuple[str, Path]:
     return name, config
 
 
-async def test_killed_and_restarted_trainer_equals_straight_run(broker, tmp_path, model_dir, unique_name, straight_run):
-    releases, scored = recorded_stream()
-    straight, killed = straight_run[0], unique_name("killed")
-    await record(broker.bootstrap, killed + ".", releases, scored)
-    runs = tmp_path / "runs"
-
-    config = write_config(tmp_path, model_dir, broker.bootstrap, killed)
-    with (tmp_path / "killed-1.log").open("w") as out:
+async def kill_and_restart(config: Path, run_dir: Path, log: Path) -> int:
+    """Start the trainer, SIGKILL it past the checkpoint of step 6 and before the next (steps 7.. must be redone
+    from their manifests), run it again to the end; the step it was killed at."""
+    with log.with_suffix(".1.log").open("w") as out:
         process = subprocess.Popen(trainer_command(config), stdout=out, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 120
-            # past the checkpoint of step 6, before the next: steps 7.. must be redone from their manifests
-            while trained_steps(runs / killed) < 2 * CHECKPOINT_EVERY + 1:
-                assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "killed-1.log").read_text()[
+            while trained_steps(run_dir) < 2 * CHECKPOINT_EVERY + 1:
+                assert process.poll() is None and time.monotonic() < deadline, log.with_suffix(".1.log").read_text()[
                     -3000:
                 ]
                 await asyncio.sleep(0.02)
@@ -194,9 +192,20 @@ async def test_killed_and_restarted_trainer_equals_straight_run(broker, tmp_path
         finally:
             process.kill()
             process.wait()
-    killed_at = trained_steps(runs / killed)
+    killed_at = trained_steps(run_dir)
     assert killed_at < STEPS, "the trainer finished before it could be killed"
-    await asyncio.to_thread(run_to_end, trainer_command(config), tmp_path / "killed-2.log")
+    await asyncio.to_thread(run_to_end, trainer_command(config), log.with_suffix(".2.log"))
+    return killed_at
+
+
+async def test_killed_and_restarted_trainer_equals_straight_run(broker, tmp_path, model_dir, unique_name, straight_run):
+    releases, scored = recorded_stream()
+    straight, killed = straight_run[0], unique_name("killed")
+    await record(broker.bootstrap, killed + ".", releases, scored)
+    runs = tmp_path / "runs"
+
+    config = write_config(tmp_path, model_dir, broker.bootstrap, killed)
+    killed_at = await kill_and_restart(config, runs / killed, tmp_path / "killed")
 
     # nothing trained twice, nothing skipped, the same batches in the same order
     reference, resumed = await manifests_of(broker.bootstrap, straight), await manifests_of(broker.bootstrap, killed)
@@ -277,3 +286,34 @@ def test_replay_retrain_rebuilds_a_step_bit_for_bit(straight_run, capsys):
     assert "steps 10..11 retrained from checkpoint of step 9" in shown and "bitwise equal" in shown, shown
     assert main(["replay", "retrain", "--step", "3", "--config", config]) == 1
     assert "version 3 is no longer on disk" in capsys.readouterr().err
+
+
+LORA = ("model.lora.rank=4", "model.lora.alpha=8", "model.lora.dropout=0.1")
+
+
+async def test_a_killed_lora_trainer_resumes_bit_for_bit(broker, tmp_path, model_dir, unique_name, capsys):
+    """LoRA (with dropout, whose draws come from the checkpointed RNG): the checkpoint holds the adapter and its
+    optimizer state, the base comes from model.path again, and every version is the adapter alone; replay retrain
+    rebuilds a step's adapter bit for bit."""
+    releases, scored = recorded_stream(seed=2)
+    straight, killed = unique_name("lora"), unique_name("lora-killed")
+    for name in (straight, killed):
+        await record(broker.bootstrap, name + ".", releases, scored)
+    runs = tmp_path / "runs"
+    config = write_config(tmp_path, model_dir, broker.bootstrap, straight, *LORA)
+    await trainer_worker.main(load_config(config), asyncio.Event())  # in this process: one start fewer
+    capsys.readouterr()
+    assert await asyncio.to_thread(cli_main, ["replay", "retrain", "--step", "11", "--config", str(config)]) == 0
+    assert "bitwise equal over 28 tensors" in capsys.readouterr().out  # A and B of 7 modules in 2 layers
+    config = write_config(tmp_path, model_dir, broker.bootstrap, killed, *LORA)
+    killed_at = await kill_and_restart(config, runs / killed, tmp_path / "lora-killed")
+
+    assert [m.trajectory_ids for m in await manifests_of(broker.bootstrap, killed)] == [
+        m.trajectory_ids for m in await manifests_of(broker.bootstrap, straight)
+    ]
+    saved = torch.load(runs / killed / "checkpoints" / f"step_{STEPS:06d}.pt", weights_only=False)
+    assert saved["model"] and all(".lora_" in name for name in saved["model"])  # no base weights in it
+    expected, got = final_weights(runs / straight), final_weights(runs / killed)
+    assert expected.keys() == got.keys() and all(".lora_" in name for name in got)
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), f"{key} differs after kill -9 at step {killed_at} and restart"

@@ -31,6 +31,7 @@ from pipeline.export_model import export_final, export_model
 from schemas.messages import PromptGroup, Scored
 from tests.factories import tiny_qwen2
 from workers import runtime
+from workers.lora import VersionLoader, adapter_metadata
 from workers.models import encode_prompt
 from workers.prompt_source import INITIAL, Source
 from workers.rollout.forward import DirectForward, HFForward
@@ -219,3 +220,47 @@ def test_export_refuses_what_is_missing_with_one_line(tmp_path, capsys):
     summary = export_final(run_dir, {"run": "x"})
     assert summary["exported_model"] == str(run_dir / "final-model")
     assert (run_dir / "final-model" / "model.safetensors").is_file()
+
+
+def test_lora_run_trains_the_adapter_alone_and_exports_it_merged_or_as_peft_loads_it(tmp_path):
+    """A LoRA run (bfloat16, as a real one): the base stays frozen, a version is the adapter (PEFT's names, its config
+    in the metadata), the engine merges it, and the merged export greedy-decodes as the engine does; `--adapter`
+    writes a directory PEFT loads onto the base with the same logits."""
+    from peft import PeftModel
+
+    config = run_config(tmp_path, "qwen2", "model.dtype=bfloat16", "model.lora.rank=4", "model.lora.alpha=8")
+    base = AutoModelForCausalLM.from_pretrained(config.model.path).state_dict()
+    trainer, engine, prompts, _, digest = train(config)
+    frozen = {n: p for n, p in trainer.local.model.named_parameters() if not p.requires_grad}
+    assert all(torch.equal(p, base[n.removeprefix("base_model.model.").replace(".base_layer", "")]) for n, p in
+               frozen.items())  # fmt: skip
+    path = runtime.weights_dir(config) / f"v{STEPS:06d}.safetensors"
+    adapter = read_version(path)
+    assert len(adapter) == 2 * 7 * 2 and all(".lora_A.weight" in n or ".lora_B.weight" in n for n in adapter)
+    assert any(t.abs().max() > 0 for n, t in adapter.items() if "lora_B" in n)  # training moved B off zero
+    assert path.stat().st_size < 0.5 * sum(t.numel() * 2 for t in base.values())
+
+    out = export_model(runtime.run_dir(config), None, tmp_path / "merged")
+    assert json.loads((out / "asyncrl.json").read_text())["sha256"] == digest
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.bfloat16
+    assert all(torch.equal(t, engine.model.state_dict()[n]) for n, t in model.state_dict().items())
+    ids = [g.prompt_tokens for g in prompts[:4]]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    for prompt, seq in zip(ids, generate_all(engine, ids, greedy), strict=True):
+        got = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)), do_sample=False,
+                             max_new_tokens=8, eos_token_id=None, min_new_tokens=8)  # fmt: skip
+        assert got[0, len(prompt) :].tolist() == seq.token_ids
+
+    assert cli(["export", "--run", str(runtime.run_dir(config)), "--adapter", "--out", str(tmp_path / "lora")]) == 0
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(config.model.path), tmp_path / "lora")
+    plain = AutoModelForCausalLM.from_pretrained(config.model.path)
+    loaded = {n: t.float() for n, t in adapter.items()}
+    VersionLoader(plain).load(loaded, adapter_metadata(config.model.lora))
+    x = torch.tensor([ids[0]])
+    # PEFT adds B·(A·x) to W0·x, the merge multiplies by W0 + scale·B·A: float32 sums in another order
+    torch.testing.assert_close(peft_model(x).logits, plain(x).logits, rtol=1e-4, atol=1e-4)
+    full = run_config(tmp_path / "full", "qwen2")
+    train(full, steps=1)
+    with pytest.raises(ConfigError, match="not a LoRA adapter"):
+        export_model(runtime.run_dir(full), None, tmp_path / "x", adapter=True)

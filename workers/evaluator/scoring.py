@@ -32,6 +32,7 @@ from schemas.config import RewardConfig, RunConfig
 from schemas.errors import ConfigError
 from workers.evaluator import humaneval
 from workers.evaluator.rows import rows_for_config
+from workers.lora import VersionLoader
 from workers.models import encode_prompt, end_token_ids, load_causal_lm
 from workers.reward import functions
 from workers.reward.budget import RewardFailures
@@ -41,7 +42,6 @@ from workers.rollout.protocol import SamplingParams, check_request, generate_all
 from workers.rollout.workflow import call_token_of, generate_turns, load_workflow
 from workers.rows import Row
 from workers.stats import percentile
-from workers.weights import load_into, read_version
 
 CORRECT_AT = 1.0  # full credit: the built-in verifiers give 1.0 for a right answer, 0.0 otherwise
 EVAL_KEYS = ("n", "k", "pass_at_1", "pass_at_k", "maj_at_k", "length_p50", "length_p90")  # beside the accuracy
@@ -234,6 +234,7 @@ class Evaluator:
     ):
         self.model, self.tokenizer, self.rows, self.score, self.settings = model, tokenizer, rows, scorer, settings
         self.workflow = load_workflow(settings.workflow)
+        self.loader = VersionLoader(model)  # a LoRA run's versions are adapters, merged into the model as built
 
     @classmethod
     def for_config(cls, config: RunConfig, rows: list[Row] | None = None) -> Evaluator | None:
@@ -274,7 +275,7 @@ class Evaluator:
         The summary's `failed` says why the evaluation was given up (its accuracies then stand for nothing)."""
         if weights is not None:
             try:
-                load_into(self.model, read_version(weights))
+                self.loader.load_file(weights)
             except FileNotFoundError:  # the run keeps only its newest versions
                 return None
         s = self.settings

@@ -48,12 +48,13 @@ from itertools import accumulate
 
 import torch
 
+from workers.lora import VersionLoader
 from workers.models import avoid_cudnn_attention
 from workers.rollout.forward import Batch, Chunk, make_forward
 from workers.rollout.protocol import EngineStats, SamplingParams, Sequence, check_request, stop_cut
 from workers.rollout.sampling import SlotSampling
 from workers.weight_deltas import ChainReader
-from workers.weights import WeightsFile, load_into
+from workers.weights import WeightsFile, verified_bytes
 
 CAPACITY_STEP = 64  # slot capacity (positions) grows in multiples of this
 SLOT_STEP = 8  # the cache's slot rows grow in multiples of this, up to max_batch
@@ -140,6 +141,7 @@ class Engine:
         self.max_len = getattr(config, "max_position_embeddings", None)
         self.vocab = model.get_input_embeddings().num_embeddings
         self.forward = make_forward(model, forward)
+        self.loader = VersionLoader(model)  # after `fuse`: it writes into the layout the forward reads
         heads = config.num_attention_heads
         self.kv_shape = (
             config.num_hidden_layers,
@@ -234,10 +236,15 @@ class Engine:
         as PipelineRL's when the lag is unbounded): most sequences of a long-tailed task end
         before they are recomputed once. Each token's logprob is the one it was sampled
         with either way. A missing file raises FileNotFoundError before anything changed.
+        A LoRA version (an adapter) is merged into the base weights (`workers.lora.VersionLoader`).
         """
-        tensors = self.chain.read(weights)  # a delta version: its chain applied, the result's hash checked
-        load_into(self.model, tensors)  # outside inference mode: parameters stay normal tensors
-        self.chain.hold(weights, tensors)
+        # outside inference mode: parameters stay normal tensors
+        if weights.base_version >= 0 or self.chain.retain:  # delta versions: the chain applied, its hash checked
+            tensors = self.chain.read(weights)
+            self.loader.load(tensors, {})
+            self.chain.hold(weights, tensors)
+        else:  # a whole version or a LoRA adapter, as its file says
+            self.loader.load_bytes(verified_bytes(weights))
         self.version = weights.version
         self.weight_updates += 1
         stale = [seq for seq in self.slots[: self.decoding] if self.version - self.cached_at[seq.key] > self.cache_lag]

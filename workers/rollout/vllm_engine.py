@@ -11,7 +11,8 @@ drives it exactly like the torch `Engine`:
     interrupt -> abort every request; the sequences are held, tokens so far
     update    -> load the new version in each vLLM worker from the safetensors file the
                  trainer announced (`WeightLoader`, a worker extension), drop the prefix
-                 cache, resubmit every held sequence's prompt + tokens so far
+                 cache, resubmit every held sequence's prompt + tokens so far; a LoRA
+                 version (an adapter) becomes a LoRARequest instead (`_use_adapter`)
 
 Outputs that arrive between the caller's last step and the abort were never seen by
 it, so they are dropped and regenerated: every token a Sequence holds was produced by
@@ -33,21 +34,34 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
+import shutil
 import tempfile
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
+from workers.lora import is_adapter, write_adapter_dir
 from workers.rollout.protocol import EngineStats, SamplingParams, Sequence, check_request, stop_cut
 from workers.weight_deltas import ChainReader
-from workers.weights import WeightsFile, missing, verify, write_safetensors
+from workers.weights import WeightsFile, file_metadata, missing, verified_bytes, verify, write_safetensors
 
 POLL_S = 0.05  # how long step() waits for vLLM's next output before handing control back
 INSTALL_HINT = (
     "rollout.backend 'vllm' needs vLLM, which is not installed here: "
     "`pip install 'asyncrl[vllm]'` on a CUDA machine, or use rollout.backend 'torch'"
 )
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts as max_lora_rank that holds an adapter of `rank`."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"model.lora.rank {rank}: vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}")
+    return fits[0]
 
 
 def import_vllm():
@@ -96,15 +110,18 @@ class VLLMEngine:
         seed: int | None = None,
         dtype: str = "auto",
         max_model_len: int | None = None,
+        lora_rank: int = 0,
     ):
+        """`lora_rank` > 0: the run trains a LoRA adapter of that rank, and its versions are adapters (vLLM's LoRA)."""
         self.vllm = import_vllm()
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)  # for stop strings (vLLM runs without its own)
+        from vllm.lora.request import LoRARequest
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.async_llm, self.delta = AsyncLLM, RequestOutputKind.DELTA
+        self.async_llm, self.delta, self.lora_request = AsyncLLM, RequestOutputKind.DELTA, LoRARequest
         self.version = version
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="vllm-engine", daemon=True)
@@ -119,7 +136,10 @@ class VLLMEngine:
             enable_prefix_caching=True,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.{WeightLoader.__name__}",
+            **(dict(enable_lora=True, max_lora_rank=max_lora_rank(lora_rank), max_loras=1) if lora_rank else {}),
         )
+        self.lora = None  # the LoRARequest of the newest adapter version; None: the base weights (version 0)
+        self.adapters = Path(tempfile.mkdtemp(prefix="asyncrl-lora-")) if lora_rank else None  # their directories
         self.llm = self._run(self._create(args))
         self.max_batch, self.max_len = max_batch, max_model_len or self.llm.model_config.max_model_len
         self.vocab = self.llm.model_config.get_vocab_size()
@@ -211,10 +231,13 @@ class VLLMEngine:
         try:
             if not Path(weights.path).is_file():
                 raise FileNotFoundError(missing(weights.path, weights.version))
-            if weights.sha256 is not None:  # vLLM reads the file itself: checked here, then read again there
-                verify(weights.path, weights.sha256, weights.version)
-            self._hold()
-            self._run(self.llm.collective_rpc("load_safetensors", args=(str(weights.path),)))
+            if self.adapters is not None:  # an adapter: a few MB, read once, checked, and handed to vLLM as a LoRA
+                self._use_adapter(verified_bytes(weights), weights.version)
+            else:
+                if weights.sha256 is not None:  # vLLM reads the file itself: checked here, then read again there
+                    verify(weights.path, weights.sha256, weights.version)
+                self._hold()
+                self._run(self.llm.collective_rpc("load_safetensors", args=(str(weights.path),)))
             self._run(self.llm.reset_prefix_cache())  # cached blocks hold keys/values of the old weights
             self.version = weights.version
             self.weight_updates += 1
@@ -247,6 +270,8 @@ class VLLMEngine:
 
     def close(self) -> None:
         self.llm.shutdown()
+        if self.adapters is not None:
+            shutil.rmtree(self.adapters, ignore_errors=True)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join()
 
@@ -258,6 +283,21 @@ class VLLMEngine:
 
     async def _create(self, args):
         return self.async_llm.from_engine_args(args)  # inside the loop, so its output handler starts there
+
+    def _use_adapter(self, data: bytes, version: int) -> None:
+        """Make the adapter in `data` (a verified version file) the one every request from now on runs with: its
+        PEFT directory written, loaded into vLLM (`add_lora`, new id per version), the previous one removed."""
+        if not is_adapter(file_metadata(data)):
+            raise ValueError(f"weights v{version}: a whole version, but this engine serves LoRA adapters")
+        path = self.adapters / f"v{version:06d}"
+        write_adapter_dir(data, path, self.llm.model_config.model)
+        request = self.lora_request(f"v{version}", version + 1, str(path))  # ids must be > 0
+        self._run(self.llm.add_lora(request))
+        self._hold()
+        previous, self.lora = self.lora, request
+        if previous is not None:
+            self._run(self.llm.remove_lora(previous.lora_int_id))
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
 
     def _hold(self) -> None:
         """Abort every request, keeping its sequence as far as step() applied it."""
@@ -294,13 +334,13 @@ class VLLMEngine:
             output_kind=self.delta,
         )
         prompt = self.vllm.TokensPrompt(prompt_token_ids=seq.prompt_ids + seq.token_ids)
-        task = asyncio.run_coroutine_threadsafe(self._consume(request_id, prompt, params), self.loop)
+        task = asyncio.run_coroutine_threadsafe(self._consume(request_id, prompt, params, self.lora), self.loop)
         self.requests[request_id] = Request(seq, request_id, self.version, task)
 
-    async def _consume(self, request_id: str, prompt, params) -> None:
+    async def _consume(self, request_id: str, prompt, params, lora) -> None:
         """Queue the request's outputs for step(); an error surfaces there, on the caller's thread."""
         try:
-            async for out in self.llm.generate(prompt, params, request_id):
+            async for out in self.llm.generate(prompt, params, request_id, lora_request=lora):
                 self.outputs.put((request_id, out.outputs[0]))
         except Exception as exc:  # handed over, not swallowed
             self.outputs.put((request_id, exc))

@@ -79,6 +79,7 @@ def make_engine(config: RunConfig) -> RolloutEngine:
             version=0,
             seed=config.seed,
             dtype=config.model.dtype,
+            lora_rank=config.model.lora.rank,
         )
     model = load_causal_lm(config.model.path, config.model.dtype, config.model.device)
     return Engine(

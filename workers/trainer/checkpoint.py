@@ -47,9 +47,12 @@ def _is_writer() -> bool:
 def save(
     directory: Path, state: TrainerState, model: torch.nn.Module, optimizer: torch.optim.Optimizer, keep: int = 2
 ) -> Path:
-    """Write `step_<N>.pt` atomically (rank 0) and keep the newest `keep`. A collective under FSDP2."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    """Write `step_<N>.pt` atomically (rank 0) and keep the newest `keep`. A collective under FSDP2. Frozen parameters
+    (a LoRA run's base model) are left out: a restart loads them from model.path as the first start did."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    model_state = {name: t for name, t in model_state.items() if name not in frozen}  # a tied alias of one, too
     final = directory / f"step_{state.step:06d}.pt"
     if not _is_writer():
         return final
@@ -76,7 +79,8 @@ def load(path: Path | None, model: torch.nn.Module, optimizer: torch.optim.Optim
         return TrainerState()
     distributed = dist.is_initialized()
     saved = torch.load(path, weights_only=False) if _is_writer() else {"model": {}, "optimizer": {}}
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed)
+    frozen = any(not p.requires_grad for p in model.parameters())  # LoRA: the base is not in the checkpoint
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed, strict=not frozen)
     # two calls: `set_state_dict` takes an empty model dict (the other ranks') for "optimizer only"
     set_model_state_dict(model, saved["model"], options=options)
     set_optimizer_state_dict(model, optimizer, saved["optimizer"], options=options)

@@ -176,17 +176,22 @@ def clip_gradients(model: torch.nn.Module, max_norm: float) -> float:
     return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
 
 
-def full_state_dict(model: torch.nn.Module, all_ranks: bool = False) -> dict[str, torch.Tensor]:
+def full_state_dict(
+    model: torch.nn.Module, all_ranks: bool = False, trainable_only: bool = False
+) -> dict[str, torch.Tensor]:
     """The whole, unsharded weights on CPU, each shared tensor (tied embeddings) under its first name only.
 
     A collective under FSDP2: every rank must call it. Rank 0 (or a process without
     ranks) gets the tensors (every rank with `all_ranks`), the others an empty dict,
-    so only one copy is kept for writing. The tensors are copies, never the model's own: a step may change
+    so only one copy is kept for writing; `trainable_only`: the parameters that train (a LoRA adapter). The tensors are copies, never the model's own: a step may change
     the model while they are being written.
     """
     keep = all_ranks or not dist.is_initialized() or dist.get_rank() == 0
     every_name = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     aliases = every_name - dict(model.named_parameters()).keys()
+    if trainable_only:  # by name as well; buffers and frozen parameters count as aliases
+        trains = {name for name, p in model.named_parameters() if p.requires_grad}
+        aliases = {name for name in model.state_dict() if name not in trains}
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         if name in aliases:  # decided by name, the same on every rank (a shard's storage may be empty)

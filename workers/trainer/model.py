@@ -16,7 +16,7 @@ import torch
 
 from schemas.config import RunConfig
 from schemas.messages import Scored, model_token_mask
-from workers import runtime
+from workers import lora, runtime
 from workers.models import cast_floating, compute_dtype, load_causal_lm
 from workers.trainer import checkpoint
 from workers.trainer.advantages import ESTIMATORS
@@ -69,13 +69,15 @@ class RankModel:
     def __init__(self, config: RunConfig, ranks: Collective, device: torch.device):
         self.config, self.ranks, self.device = config, ranks, device
         self.settings = step_settings(config)
-        self.model = self._load()
+        self.adapter = lora.enabled(config.model.lora)  # LoRA: only the adapter trains, and a version is it alone
+        self.model = lora.wrap(self._load(), config.model.lora) if self.adapter else self._load()
         if ranks.world > 1:
             shard_model(self.model)  # before the optimizer: the parameters become sharded DTensors
+        # with LoRA the reference, the initial policy, is the base model (its adapter's B starts at zero)
         self.reference = self._load().eval().requires_grad_(False) if config.trainer.loss.kl_coef > 0 else None
         optim = config.trainer.optim
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],
             lr=optim.lr,
             weight_decay=optim.weight_decay,
             fused=ranks.world == 1 or None,  # one kernel over all tensors (3x faster on CPU); FSDP2's DTensors: foreach
@@ -98,6 +100,9 @@ class RankModel:
         return {**stats, **clock.seconds}
 
     def gather_weights(self) -> dict[str, torch.Tensor]:
+        """What a version holds: the whole weights, or with LoRA the adapter under PEFT's saved names."""
+        if self.adapter:
+            return lora.published_names(full_state_dict(self.model, trainable_only=True))
         return full_state_dict(self.model)
 
     def save_checkpoint(self, state: checkpoint.TrainerState) -> Path:
@@ -180,7 +185,9 @@ class Trainer:
         saved = self.config.trainer.checkpoint
         if saved.whole_every > 1:
             return self.publisher.publish(weights, version)
-        return Published(*write_version(weights, runtime.weights_dir(self.config), version, saved.keep_versions))
+        metadata = lora.adapter_metadata(self.config.model.lora) if lora.enabled(self.config.model.lora) else None
+        written = write_version(weights, runtime.weights_dir(self.config), version, saved.keep_versions, metadata)
+        return Published(*written)
 
     def save(self) -> Path:
         """A checkpoint of the model, optimizer and `state` as it is now (set its resume fields first)."""
