@@ -20,8 +20,14 @@ Speedups compare the fastest wall-clock run of each system. Each run also record
 process CPU time it took, and `speedup_vs_hf_cpu` compares those: on a machine shared
 with other work, CPU time is the steadier measure of the same thing.
 
-`--device` and `--dtype` move the model (both systems share it) before anything runs:
-`asyncrl gpu-check` runs this bench on CUDA in bfloat16; the defaults are cpu and float32.
+`--model DIR` (or an imported model's short name) runs a real model instead, on chat-template prompts of the
+`wordmath` task. `--device` and `--dtype` move the model (both systems share it) before anything runs:
+`asyncrl gpu-check` runs this bench on CUDA in bfloat16; the defaults are cpu and `auto`, which resolves as
+model.dtype=auto does (`workers.cores.auto_dtype`: float32 for the demo model).
+
+Each report states the run's own matmul ceiling (`workers.flops.probe_ceiling`: one thread, in the dtype used)
+and each system's model GFLOP/s on it (`workers.flops.generate_flops`, the prompts' prefill included), whose
+share of the ceiling times the threads is its model FLOPs utilisation (MFU).
 """
 
 from __future__ import annotations
@@ -43,6 +49,10 @@ from tqdm import tqdm
 
 from pipeline.bench import machine
 from pipeline.demo_model import build_model, build_tokenizer
+from pipeline.model_cache import model_path, model_width
+from workers import flops
+from workers.cores import auto_dtype, native_bf16_cpu
+from workers.models import encode_prompt, load_causal_lm
 from workers.rollout.engine import Engine
 from workers.rollout.protocol import SamplingParams
 from workers.weights import WeightsFile, unique_state_dict, write_version
@@ -65,7 +75,8 @@ class Settings:
     repeats: int
     temperature: float = 1.0
     device: str = "cpu"
-    dtype: str = "float32"  # a torch dtype's name: the model's weights and activations in both systems
+    dtype: str = "auto"  # a torch dtype's name, or auto: the model's weights and activations in both systems
+    model: str | None = None  # a model directory or imported short name; None: the demo-sized model
 
 
 def long_tailed_lengths(n: int, limit: int, rng: random.Random) -> list[int]:
@@ -269,20 +280,78 @@ def compare(model, prompts: list[list[int]], scenarios: dict[str, list[int]], s:
     return results
 
 
+def resolved_dtype(s: Settings, width: int) -> str:
+    """--dtype, with auto resolved as model.dtype=auto is for a model of hidden size `width` (0: the demo's)."""
+    return auto_dtype(s.device, width) if s.dtype == "auto" else s.dtype
+
+
+def load(s: Settings, rng: random.Random) -> tuple[transformers.PreTrainedModel, list[list[int]], str]:
+    """The model in its dtype on its device, `s.requests` prompts and the model's name: --model's on chat-template
+    wordmath problems, else the demo-sized one on random digit strings of `PROMPT_LENGTHS` tokens."""
+    if s.model is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            tokenizer = build_tokenizer(tmp)
+            model = build_model(tmp, tokenizer, seed=s.seed)
+        vocab = [tokenizer.convert_tokens_to_ids(c) for c in "0123456789+="]
+        prompts = [[rng.choice(vocab) for _ in range(rng.randint(*PROMPT_LENGTHS))] for _ in range(s.requests)]
+        name, width = "demo-sized Qwen2, random weights", 0
+    else:
+        from workers.tasks import load_task
+
+        path = model_path(s.model)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        model = load_causal_lm(path, "float32", "cpu")
+        problems = load_task("wordmath").split(s.seed, held_out=0)[0][: s.requests]
+        prompts = [encode_prompt(tokenizer, problem.prompt, "chat") for problem in problems]
+        name, width = path, model_width(path)
+    dtype = getattr(torch, resolved_dtype(s, width))
+    return model.eval().to(device=s.device, dtype=dtype), prompts, name
+
+
+def engine_flops(config: dict, prompts: list[list[int]], results: dict) -> dict:
+    """Per scenario, the model GFLOP/s of each system's fastest run: the same useful work for both."""
+    out = {}
+    for name, r in results.items():
+        work = sum(flops.generate_flops(config, len(p), n) for p, n in zip(prompts, r["new_tokens"], strict=True))
+        out[name] = {system: round(flops.gflops(work, r[system]["seconds"]), 2) for system in ("engine", "hf")}
+    return out
+
+
+def utilisation(model, prompts: list[list[int]], results: dict, s: Settings) -> dict:
+    """The run's own one-thread ceiling in the model's dtype, and each system's GFLOP/s and MFU against it
+    (the ceiling times the threads)."""
+    ceiling = flops.probe_ceiling(model.dtype, device=s.device)
+    achieved = engine_flops(model.config.to_dict(), prompts, results)
+    cores = s.threads if s.device == "cpu" else 1
+    return {
+        "ceiling_gflops_per_core": ceiling["prefill"],
+        "ceiling_decode_shape_gflops_per_core": ceiling["decode"],
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "cpu_model": flops.cpu_model(),
+        "native_bf16": native_bf16_cpu(),
+        "matmul_parameters": flops.matmul_parameters(model.config.to_dict()),
+        "scenarios": {
+            name: {
+                **rates,
+                **{
+                    f"{system}_mfu": round(flops.mfu(rates[system], ceiling["prefill"], cores), 4)
+                    for system in ("engine", "hf")
+                },
+            }
+            for name, rates in achieved.items()
+        },
+    }
+
+
 def benchmark(s: Settings) -> dict:
     rng = random.Random(s.seed)
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer = build_tokenizer(tmp)
-        model = build_model(tmp, tokenizer, seed=s.seed).eval().to(device=s.device, dtype=getattr(torch, s.dtype))
-    limit = model.config.max_position_embeddings
-    if PROMPT_LENGTHS[1] + s.max_new_tokens > limit:
+    model, prompts, name = load(s, rng)
+    limit, longest = model.config.max_position_embeddings, max(map(len, prompts))
+    if longest + s.max_new_tokens > limit:
         raise ValueError(
-            f"--max-new-tokens {s.max_new_tokens} plus {PROMPT_LENGTHS[1]}-token prompts "
-            f"exceed the model's {limit} positions"
+            f"--max-new-tokens {s.max_new_tokens} plus {longest}-token prompts exceed the model's {limit} positions"
         )
     model.generation_config.eos_token_id = None  # lengths are forced; nothing may stop a request early
-    vocab = [tokenizer.convert_tokens_to_ids(c) for c in "0123456789+="]
-    prompts = [[rng.choice(vocab) for _ in range(rng.randint(*PROMPT_LENGTHS))] for _ in range(s.requests)]
     scenarios = {
         "long_tailed": long_tailed_lengths(s.requests, s.max_new_tokens, rng),
         "fixed": [s.max_new_tokens] * s.requests,
@@ -290,27 +359,21 @@ def benchmark(s: Settings) -> dict:
     warm_up(model, prompts, s)
     results = compare(model, prompts, scenarios, s)
     ceiling = matmul_ceiling(model, s.concurrency, s.repeats)
+    used = utilisation(model, prompts, {k: {**r, "new_tokens": scenarios[k]} for k, r in results.items()}, s)
     return {
         "speedup_vs_hf": results["long_tailed"]["speedup_vs_hf"],
         "speedup_vs_hf_fixed": results["fixed"]["speedup_vs_hf"],
+        "engine_mfu": used["scenarios"]["long_tailed"]["engine_mfu"],
+        "utilisation": used,
         "matmul_ceiling": ceiling,  # the engine's long-tailed tok/s over it: its share of the ceiling
         "engine_share_of_matmul_ceiling": round(
             results["long_tailed"]["engine"]["tokens_per_s"] / ceiling["tokens_per_s"], 3
         ),
         "scenarios": results,
         "step_costs": step_costs(model, prompts, scenarios["long_tailed"], s),
-        "settings": {
-            **asdict(s),
-            "hf_batch": s.hf_batch or s.concurrency,
-            "prompt_lengths": list(PROMPT_LENGTHS),
-            "long_tail": f"lognormal(median={TAIL_MEDIAN_FRACTION:g}*max_new_tokens, sigma={TAIL_SIGMA:g})"
-            " clipped to [1, max_new_tokens]",
-            "stop_tokens": None,
-            "top_p": 1.0,
-            "top_k": 0,
-        },
+        "settings": settings_record(s, prompts, str(model.dtype).removeprefix("torch.")),
         "model": {
-            "name": "demo-sized Qwen2, random weights",
+            "name": name,
             "parameters": sum(p.numel() for p in model.parameters()),
             "vocab_size": model.config.vocab_size,
             "layers": model.config.num_hidden_layers,
@@ -318,6 +381,23 @@ def benchmark(s: Settings) -> dict:
             "dtype": str(model.dtype),
         },
         "machine": {**machine(), "device": s.device},
+    }
+
+
+def settings_record(s: Settings, prompts: list[list[int]], dtype: str) -> dict:
+    lengths = sorted(map(len, prompts))
+    return {
+        **asdict(s),
+        "dtype": dtype,  # --dtype resolved
+        "dtype_option": s.dtype,
+        "hf_batch": s.hf_batch or s.concurrency,
+        "prompts": "wordmath, chat template" if s.model else "random digits",
+        "prompt_lengths": [lengths[0], lengths[-1]],
+        "long_tail": f"lognormal(median={TAIL_MEDIAN_FRACTION:g}*max_new_tokens, sigma={TAIL_SIGMA:g})"
+        " clipped to [1, max_new_tokens]",
+        "stop_tokens": None,
+        "top_p": 1.0,
+        "top_k": 0,
     }
 
 
@@ -354,6 +434,7 @@ def table(report: dict) -> str:
         f"matmul ceiling at {ceiling['rows']} rows: {ceiling['tokens_per_s']:.0f} tok/s (every weight matrix once, "
         f"{ceiling['pass_ms']} ms); the engine's long-tailed run reaches {report['engine_share_of_matmul_ceiling']:.0%}"
     )
+    lines += utilisation_lines(report)
     costs = report["step_costs"]
     decode = costs["decode_step_ms"]
     lines.append(
@@ -364,6 +445,21 @@ def table(report: dict) -> str:
         f"= {costs['reprefill_ms'] / decode[max(decode)]:.1f} decode steps of {max(decode)} rows"
     )
     return "\n".join(lines)
+
+
+def utilisation_lines(report: dict) -> list[str]:
+    used, threads = report["utilisation"], report["settings"]["threads"]
+    lines = [
+        f"ceiling: {used['ceiling_gflops_per_core']:.1f} GFLOP/s per core in {used['dtype']} (one thread, 512x1024 "
+        f"by 1024x1024; {used['ceiling_decode_shape_gflops_per_core']:.1f} at 32 rows) on "
+        f"{used['cpu_model'] or 'an unnamed CPU'}, native bfloat16: {'yes' if used['native_bf16'] else 'no'}"
+    ]
+    for name, r in used["scenarios"].items():
+        lines.append(
+            f"{name:<12} model GFLOP/s: engine {r['engine']:.2f} (MFU {r['engine_mfu']:.1%} of the ceiling x "
+            f"{threads} thread(s)), hf generate {r['hf']:.2f} (MFU {r['hf_mfu']:.1%})"
+        )
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
@@ -377,6 +473,7 @@ def run(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         device=args.device,
         dtype=args.dtype,
+        model=args.model,
     )
     if s.device != "cpu" and not (s.device.startswith("cuda") and torch.cuda.is_available()):
         print(f"asyncrl: --device {s.device}: use cpu, or cuda where a GPU is present", file=sys.stderr)

@@ -114,9 +114,16 @@ def add_generate_options(parser: argparse.ArgumentParser) -> None:
     add_device_option(parser)
     parser.add_argument(
         "--dtype",
-        choices=("float32", "bfloat16", "float16"),
-        default="float32",
-        help="the model's weights and activations, in both systems (default: %(default)s)",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="the model's weights and activations, in both systems; auto as model.dtype=auto: bfloat16 on CUDA, "
+        "and on a CPU with native bfloat16 for a model 512 wide or wider, else float32 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="a model directory or an imported model's short name (e.g. smollm2), on chat-template wordmath "
+        "prompts (default: the demo-sized model, random weights, on random digit prompts)",
     )
 
 

@@ -43,5 +43,10 @@ def test_bench_generate_writes_its_headline_and_settings(tmp_path, capsys):
     assert ceiling["rows"] == 4 and ceiling["tokens_per_s"] > 0
     share = result["scenarios"]["long_tailed"]["engine"]["tokens_per_s"] / ceiling["tokens_per_s"]
     assert result["engine_share_of_matmul_ceiling"] == round(share, 3) > 0
+    used = result["utilisation"]  # the run's own one-thread ceiling in its dtype, and each system's share of it
+    assert used["dtype"] == result["settings"]["dtype"] == "float32"  # --dtype auto: the demo model stays float32
+    assert used["ceiling_gflops_per_core"] > 0 and used["ceiling_decode_shape_gflops_per_core"] > 0
+    assert result["engine_mfu"] == used["scenarios"]["long_tailed"]["engine_mfu"] > 0
     printed = capsys.readouterr().out
+    assert "MFU" in printed and "GFLOP/s per core in float32" in printed
     assert "speedup" in printed and "re-prefilling" in printed and "matmul ceiling at 4 rows" in printed

@@ -147,6 +147,9 @@ def test_train_generate_export_round_trip(tmp_path, family):
     assert not trainer.local.model.training  # GPT-2 has dropout: the trainer's forwards must not apply it
     assert all(torch.isfinite(torch.tensor(s["loss"])) and s["grad_norm"] > 0 for s in stats)
     assert {p.dtype for p in trainer.local.model.parameters()} == {torch.float32}
+    # the forwards' and backwards' model GFLOP/s (a GPT-2's FLOPs are not counted); no ceiling probe for a tiny model
+    assert all(s.get("fb_gflops", 0) > 0 or family == "gpt2" for s in stats)
+    assert all(s["packed_positions"] > 0 and "fb_mfu" not in s for s in stats)
     base = AutoModelForCausalLM.from_pretrained(config.model.path).state_dict()
     last = read_version(runtime.weights_dir(config) / f"v{STEPS:06d}.safetensors")
     assert any(not torch.equal(tensor, base[name]) for name, tensor in last.items())  # training moved them
@@ -178,6 +181,7 @@ def test_bfloat16_run_publishes_and_exports_bfloat16_from_float32_masters(tmp_pa
     trainer, engine, _, stats, _ = train(config, steps=2)
     assert engine.model.dtype == torch.bfloat16 and torch.isfinite(torch.tensor(stats[-1]["loss"]))
     assert {p.dtype for p in trainer.local.model.parameters()} == {torch.float32}
+    assert all(s["fb_gflops"] > 0 and "fb_mfu" not in s for s in stats)  # a tiny model: no ceiling probe
     published = read_version(runtime.weights_dir(config) / "v000002.safetensors")
     assert {t.dtype for t in published.values()} == {torch.bfloat16}
     masters = trainer.local.model.state_dict()

@@ -16,7 +16,8 @@ import torch
 
 from schemas.config import RunConfig
 from schemas.messages import Scored, model_token_mask
-from workers import lora, runtime
+from workers import flops, lora, runtime
+from workers.cores import BF16_MIN_WIDTH
 from workers.models import cast_floating, compute_dtype, load_causal_lm
 from workers.trainer import checkpoint
 from workers.trainer.advantages import ESTIMATORS
@@ -120,6 +121,21 @@ def trained_versions(scored: Scored) -> list[int]:
     return [version for version, trained in zip(scored.versions, mask, strict=True) if trained]
 
 
+def measure_ceiling(
+    model: torch.nn.Module, dtype: torch.dtype, device: torch.device, rank: int
+) -> tuple[dict | None, float]:
+    """The model's config for its FLOPs (None where `workers.flops` cannot count them) and rank 0's one-thread
+    matmul ceiling in the step's dtype, GFLOP/s (0: not measured: on CUDA, where one small product says nothing of
+    the peak, and for a model narrower than `BF16_MIN_WIDTH`, whose step is overhead-bound and whose runs
+    should not pay the probe's half second)."""
+    shape = model.config.to_dict()
+    if not flops.counts(shape):
+        return None, 0.0
+    if rank != 0 or device.type != "cpu" or shape["hidden_size"] < BF16_MIN_WIDTH:
+        return shape, 0.0
+    return shape, flops.probe_ceiling(dtype, seconds=0.5)["prefill"]
+
+
 class Trainer:
     """The model and the counters. Rank 0 calls `train`, `publish` and `save`, each run by every rank
     (the others wait in `follow`); every rank calls `close`."""
@@ -136,6 +152,7 @@ class Trainer:
         self.commands = LeadRank(self.local, self.ranks)
         saved = config.trainer.checkpoint  # whole_every > 1: delta versions (`workers.weight_deltas`)
         self.publisher = Publisher(runtime.weights_dir(config), saved.keep_versions, saved.whole_every)
+        self.shape, self.ceiling = measure_ceiling(self.local.model, self.local.settings.dtype, device, self.rank)
 
     def train(self, groups: list[Group]) -> dict[str, float]:
         """One optimizer step on these groups (rank 0); returns the step's stats."""
@@ -145,6 +162,7 @@ class Trainer:
         trajectories = [s for g in groups for s, _ in g.trajectories()]
         sequences = [Row(s.prompt_tokens, s.completion_tokens, s.logprobs, s.loss_mask) for s in trajectories]
         stats = self.commands.train_batch(sequences, advantages)
+        stats |= self.utilisation(stats)
         lags = [version - s.released_at_version for s in trajectories]
         trained = [trained_versions(s) for s in trajectories]
         tokens = sum(map(len, trained))
@@ -171,6 +189,14 @@ class Trainer:
             "staleness_histogram": [histogram[lag] for lag in range(max(lags) + 1)],  # trajectories per staleness
             "token_staleness_mean": sum(version - v for versions in trained for v in versions) / max(tokens, 1),
         }
+
+    def utilisation(self, stats: dict[str, float]) -> dict[str, float]:
+        """The step's forwards' and backwards' model GFLOP/s (fb_gflops) and share of the ceiling (fb_mfu)."""
+        if not self.shape:
+            return {}
+        work, cores = (stats["packed_positions"], stats["packed_context"]), torch.get_num_threads() * self.world
+        seconds, reference = stats["time_forward_backward"], self.local.reference is not None
+        return flops.step_utilisation(self.shape, work, seconds, self.ceiling, cores, reference)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """The whole, unsharded weights of the current version, cast to model.dtype (what the rollout runs, at that

@@ -108,10 +108,12 @@ def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractCon
 
 def packed_logprobs(
     model: torch.nn.Module, batch: TrainBatch, temperature: float, dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
     """log pi(token t+1 | tokens <= t) at the sampling temperature and the entropy of that
     next-token distribution (no grad), [N, T-1] each, from one forward pass over the rows packed into one
-    (rows with the same prompt share it), computed in `dtype` (autocast) up to the logits; the softmax is float32."""
+    (rows with the same prompt share it), computed in `dtype` (autocast) up to the logits; the softmax is float32.
+    Third: the pass's work for its model FLOPs (`workers.flops`), its packed positions and the sum of their
+    context lengths (a shared prompt's positions once, a completion's going on from its prompt)."""
     use_packed_attention(model)
     packed = pack(batch.input_ids, batch.attention_mask, batch.prompt_lengths)
     with autocast(batch.input_ids.device, dtype):
@@ -122,7 +124,8 @@ def packed_logprobs(
     logp = torch.log_softmax(logits.float(), dim=-1)  # [L, V]
     with torch.no_grad():
         entropy = -(logp.exp() * logp).sum(-1)  # [L]
-    return packed.chosen(logp), packed.unpack(entropy)
+    positions = packed.position_ids.shape[1]
+    return packed.chosen(logp), packed.unpack(entropy), (positions, int(packed.position_ids.sum()) + positions)
 
 
 def token_logprobs(
@@ -139,11 +142,17 @@ def token_logprobs(
     return logp
 
 
+WORK = ("packed_positions", "packed_context")  # a pass's positions and their contexts' sum, for its FLOPs
+
+
 def combine(parts: list[dict[str, float]], reduce: Callable[[Iterable[float]], float]) -> dict[str, float]:
-    """Stats of several parts: `reduce` (sum or mean) of each, except max of `_max` and min of `_min` stats."""
+    """Stats of several parts: `reduce` (sum or mean) of each, except max of `_max` and min of `_min` stats, and
+    the sum of the work done (`WORK`: a step's is that of all its passes on every rank)."""
 
     def one(key: str) -> float:
         values = [part[key] for part in parts]
+        if key in WORK:
+            return sum(values)
         return max(values) if key.endswith("_max") else min(values) if key.endswith("_min") else reduce(values)
 
     return {key: one(key) for key in parts[0]}
@@ -175,7 +184,7 @@ def accumulate_gradients(
     parts = []
     for rows in batch.microbatches(split):
         mb = batch.select(rows)
-        logp, entropy = packed_logprobs(model, mb, temperature, dtype)  # [n, T-1] each
+        logp, entropy, (positions, context) = packed_logprobs(model, mb, temperature, dtype)  # [n, T-1] each
         mb_prox = logp.detach() if prox is None else prox[rows]  # [n, T-1]
         ref_logp = None
         if reference is not None:
@@ -186,7 +195,9 @@ def accumulate_gradients(
         )
         value.backward()
         own_logp[rows] = logp.detach()
-        parts.append({"loss": value.item(), "entropy": (entropy * mb.loss_mask).sum().item() / totals[0], **loss_stats})
+        entropy_mean = (entropy * mb.loss_mask).sum().item() / totals[0]
+        work = {"packed_positions": positions, "packed_context": context}
+        parts.append({"loss": value.item(), "entropy": entropy_mean, **loss_stats, **work})
     return {**combine(parts, math.fsum), "microbatches": len(parts)}, own_logp
 
 
