@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from pipeline.config import on_one_machine, save_config
+from pipeline.config import on_one_machine, resolve, save_config
 from pipeline.forkserver import ForkServer, reap_strays
 from pipeline.launch.resume import import_run_topics, resumable, run_dir_lock
 from pipeline.launch.run_dir import check_dataset, check_wandb, link_latest, new_run_dir, prepare
@@ -223,7 +223,8 @@ def run_locally(config: RunConfig, progress: bool, stops: StopSignals, resumed_f
     with run_dir_lock(run_dir):  # a second launcher of this run (a --resume too early) stops here
         link_latest(run_dir)  # from its start: `--resume runs/latest` after a stop in the warm-up finds this one
         resumed = "" if resumed_from is None else f", resumed from the checkpoint of step {resumed_from}"
-        precision = f"{config.model.dtype} on {config.model.device}"  # model.dtype=auto's choice, said once
+        model = resolve(config).model  # model.dtype=auto's choice, said once
+        precision = f"{model.dtype} on {model.device}"
         print(f"asyncrl: run directory {run_dir}{resumed}; {precision}", file=sys.stderr)
         # before the broker and the model: a W&B problem (no login) shows at once; W&B gets the config as given
         wandb_stream = monitor.WandbStream(config, run_dir) if config.telemetry.wandb_project else None
