@@ -81,3 +81,25 @@ def test_two_rl_steps_on_the_shipped_config(smollm2_cache: Path, tmp_path: Path)
     config = (run_dir / "config.yaml").read_text()
     assert f"path: {smollm2_cache / 'smollm2'}" in config  # the short name, resolved to the cache
     assert (run_dir / "final-model" / "model.safetensors").is_file()
+    exported_greedy_is_the_run_s(run_dir, version=2, max_new_tokens=16)
+
+
+def exported_greedy_is_the_run_s(run_dir: Path, version: int, max_new_tokens: int) -> None:
+    """The exported model, loaded by plain transformers in the run's dtype, answers the held-out prompts greedily
+    as the run's own engine did for that version (the evaluator's greedy completions)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from workers.models import encode_prompt
+
+    model_dir = run_dir / "final-model"
+    assert json.loads((model_dir / "asyncrl.json").read_text())["version"] == version
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")  # the dtype the run published
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows = [json.loads(line) for line in (run_dir / "eval" / f"v{version:06d}.jsonl").read_text().splitlines()]
+    for row in rows:
+        prompt = encode_prompt(tokenizer, row["prompt"], "chat")
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=max_new_tokens)  # fmt: skip
+        assert tokenizer.decode(out[0, len(prompt) :], skip_special_tokens=True) == row["greedy_completion"]
