@@ -345,6 +345,15 @@ def final_version(run_dir: Path) -> int | None:
     return steps[-1]["step"] if steps else None
 
 
+def peak_memory(lines: list[dict]) -> dict[str, int]:
+    """Each role's largest peak resident memory (MB) over its processes' metrics lines: trainer, rollout, eval..."""
+    peaks: dict[str, int] = {}
+    for line in lines:
+        if "peak_rss_mb" in line:
+            peaks[line["source"]] = max(peaks.get(line["source"], 0), line["peak_rss_mb"])
+    return peaks
+
+
 def finish(
     config: RunConfig,
     run_dir: Path,
@@ -389,6 +398,7 @@ def finish(
         "trained_tokens_per_s": last.get("tokens_per_s", 0.0),
         "resumed_from": [l["step"] for l in lines if l["source"] == "resume"],  # checkpoint steps, one per resume
         "wall_seconds": round(time.time() - started, 1),
+        "peak_rss_mb": peak_memory(lines),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     from pipeline.report import plot_curves, write_tensorboard

@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import os
+import resource
 import signal
 import sys
 import threading
@@ -124,7 +125,10 @@ class MetricsWriter:
         self.lines, self.source = JsonLines(path), source
 
     def write(self, **fields: Any) -> None:
-        self.lines.append(json.dumps({"time": time.time(), "source": self.source, **fields}))
+        """A line of `fields`, with the time and this process's peak resident memory so far (summary.json keeps
+        each role's largest)."""
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024  # Linux: kilobytes
+        self.lines.append(json.dumps({"time": time.time(), "source": self.source, **fields, "peak_rss_mb": peak_mb}))
 
 
 class JsonlSpanExporter(SpanExporter):
