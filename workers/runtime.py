@@ -7,6 +7,8 @@ the rest of the loop sees only the context.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import json
 import logging
 import os
@@ -27,6 +29,8 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from schemas.config import AUTO, RunConfig
 from topics.names import TopicLayout
 from topics.transport import Transport
+
+LIBC = ctypes.CDLL(ctypes.util.find_library("c"))  # the C library, for malloc_trim where it is glibc
 
 
 def run_dir(config: RunConfig) -> Path:
@@ -116,6 +120,15 @@ class JsonLines:
             os.write(fd, (line + "\n").encode())
         finally:
             os.close(fd)
+
+
+def release_freed_memory() -> None:
+    """Hand the memory freed in this process's malloc arenas back to the OS (glibc's malloc_trim; elsewhere
+    nothing). A step that trains in a worker thread frees its activations into that thread's arena, and glibc
+    keeps them: the trainer's peak resident memory crept from 3.7 to 10.6 GB over 70 steps of SmolLM2-135M."""
+    trim = getattr(LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 class MetricsWriter:

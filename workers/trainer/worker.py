@@ -209,6 +209,7 @@ class Lead:
                 if g.prompt_id in self.feed.traces
             ]
             stats = {**await asyncio.to_thread(self.trainer.train, groups), "threads": self.cfg.threads}
+            runtime.release_freed_memory()  # the step's activations, freed in the thread's own arena
             for span in group_spans:
                 span.end()
         clock.lap("time_train")
