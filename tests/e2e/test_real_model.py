@@ -81,25 +81,36 @@ def test_two_rl_steps_on_the_shipped_config(smollm2_cache: Path, tmp_path: Path)
     config = (run_dir / "config.yaml").read_text()
     assert f"path: {smollm2_cache / 'smollm2'}" in config  # the short name, resolved to the cache
     assert (run_dir / "final-model" / "model.safetensors").is_file()
-    exported_greedy_is_the_run_s(run_dir, version=2, max_new_tokens=16)
+    exported_greedy_is_the_engine_s(run_dir, version=2, max_new_tokens=16)
 
 
-def exported_greedy_is_the_run_s(run_dir: Path, version: int, max_new_tokens: int) -> None:
-    """The exported model, loaded by plain transformers in the run's dtype, answers the held-out prompts greedily
-    as the run's own engine did for that version (the evaluator's greedy completions)."""
+def exported_greedy_is_the_engine_s(run_dir: Path, version: int, max_new_tokens: int) -> None:
+    """The exported model, loaded by plain transformers in the dtype the run published, answers word problems
+    greedily as the run's rollout engine does with that version's weights file."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from workers.models import encode_prompt
+    from pipeline.config import load_config
+    from workers import runtime
+    from workers.models import encode_prompt, load_causal_lm
+    from workers.rollout.engine import Engine
+    from workers.rollout.protocol import SamplingParams, generate_all
+    from workers.tasks.wordmath import WordMath
+    from workers.weights import WeightsFile
 
+    config = load_config(run_dir / "config.yaml")
     model_dir = run_dir / "final-model"
     assert json.loads((model_dir / "asyncrl.json").read_text())["version"] == version
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")  # the dtype the run published
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    rows = [json.loads(line) for line in (run_dir / "eval" / f"v{version:06d}.jsonl").read_text().splitlines()]
-    for row in rows:
-        prompt = encode_prompt(tokenizer, row["prompt"], "chat")
+    prompts = [encode_prompt(tokenizer, p.prompt, "chat") for p in WordMath().problems(0)[:3]]
+    engine = Engine(load_causal_lm(config.model.path, config.model.dtype), max_batch=4)
+    engine.update_weights(WeightsFile(runtime.version_path(runtime.weights_dir(config), version), version))
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=(tokenizer.eos_token_id,))
+    expected = [seq.token_ids for seq in generate_all(engine, prompts, greedy)]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")  # bfloat16 where the run published it
+    assert model.dtype == engine.model.dtype
+    for prompt, want in zip(prompts, expected, strict=True):
         with torch.no_grad():
             out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                  do_sample=False, max_new_tokens=max_new_tokens)  # fmt: skip
-        assert tokenizer.decode(out[0, len(prompt) :], skip_special_tokens=True) == row["greedy_completion"]
+        assert out[0, len(prompt) :].tolist() == want
