@@ -57,7 +57,7 @@ demo-real: install-real
 
 # everything but the tests marked `docker` (compose-test)
 test: install-test system-deps
-	$(BIN)/python -m pytest -q -m "not docker and not chaos" --durations=30
+	$(BIN)/python -m pytest -q -m "not docker and not chaos and not long" --durations=30
 
 # the quick loop (~20 s on 2 cores): tests/unit, less anything marked e2e or slow
 test-unit: install-test
@@ -76,12 +76,13 @@ compose-test: install-test
 # fault injection, the long version of tests/e2e/test_chaos.py (~1 h on 2 cores): SIGKILLs of every role at
 # random moments of short runs (launcher and broker then `asyncrl run --resume`), then poison on every topic and bad
 # rows in the dataset of a running pipeline; then the e2e tests marked chaos (stops and resumes whose short version
-# is in `make test`); all run, any failing fails the target (runs/chaos/*.json, .png)
+# is in `make test`) and those marked long (over a minute each); all run, any failing fails the target
+# (runs/chaos/*.json, .png)
 chaos: install-test
 	@status=0; \
 	$(BIN)/asyncrl chaos --out runs/chaos || status=1; \
 	$(BIN)/asyncrl chaos --poison --out runs/chaos || status=1; \
-	$(BIN)/python -m pytest -q -m chaos || status=1; \
+	$(BIN)/python -m pytest -q -m "chaos or long" || status=1; \
 	exit $$status
 
 # ruff and import-linter are pinned in the test extra; every check runs even when one fails, and any fails the target.

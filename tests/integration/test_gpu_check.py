@@ -54,6 +54,7 @@ def test_it_starts_without_the_pipelines_dependencies(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # ~2 min on 2 cores: `make chaos` and `make gpu-rehearsal`, not `make test`
 def test_the_rehearsal_runs_every_check_on_the_cpu(tmp_path):
     """`asyncrl gpu-check --rehearse`: the GPU check's own commands, end to end on the CPU at toy sizes (~2 min on
     2 cores): a check that would fail on a lent GPU (an option renamed since, a module moved) fails here first."""

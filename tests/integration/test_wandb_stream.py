@@ -73,6 +73,8 @@ def test_every_metrics_line_reaches_the_wandb_run_on_its_sources_step_axis(
         for r in records
         if r.HasField("history")
     ]
+    peaks = [line.pop(key) for line in logged for key in list(line) if key.endswith("/peak_rss_mb")]
+    assert len(peaks) == 5 and all(peak > 0 for peak in peaks)  # each line's process's peak memory, MB
     assert logged == [
         {"trainer/step": 1, "trainer/reward_mean": 0.25},  # the histogram (a list) and the time are left out
         {"trainer/step": 2, "trainer/reward_mean": 0.5},
