@@ -379,6 +379,7 @@ def finish(
         **what_ran(config),
         "base_accuracy": base["heldout_accuracy"] if base else None,
         "final_accuracy": final["heldout_accuracy"] if final else None,
+        "n": (final or base or {}).get("n"),  # held-out rows behind each accuracy
         **sampled_eval_summary(base, final),
         "steps": last.get("step", 0),
         "max_staleness": config.trainer.max_staleness,

@@ -63,6 +63,7 @@ def test_greedy_only_summary_has_no_sampled_numbers(demo_model_dir: Path, tmp_pa
     assert base["reward_calls"] == 6 and base["reward_failures"] == {}
     summary = monitor.finish(config, run_dir, "finished", time.time())
     assert summary["base_accuracy"] == base["heldout_accuracy"] and summary["final_accuracy"] is None  # no step
+    assert summary["n"] == 6  # the held-out rows behind the accuracies
     assert "eval_k" not in summary and "final_pass_at_1" not in summary
 
 
