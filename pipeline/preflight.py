@@ -32,13 +32,14 @@ def preflight(config: RunConfig) -> None:
 
 def learning_rate_warning(config: RunConfig, demo_dir: Path) -> str | None:
     """One line when a run on a model of one's own (model.path, not the demo model built in `demo_dir`) keeps the
-    demo's learning rate: tuned for a tiny model from its warm-up, it wrecks a pretrained one in a few steps."""
+    demo's learning rate: tuned for a tiny model from its warm-up, it wrecks a pretrained one in a few steps. A LoRA
+    adapter (model.lora.rank > 0) trains well at about ten times a full fine-tune's rate, near that default."""
     lr, path = config.trainer.optim.lr, config.model.path
-    if not path or Path(path).resolve() == demo_dir.resolve() or lr != OptimConfig().lr:
+    if not path or Path(path).resolve() == demo_dir.resolve() or lr != OptimConfig().lr or config.model.lora.rank:
         return None
     return (
         f"asyncrl: warning: trainer.optim.lr is {lr:g}, the demo model's default; a pretrained model ({path}) usually "
-        f"wants 1e-6 to 5e-6 (for example trainer.optim.lr=2e-6)"
+        f"wants 1e-6 to 1e-5 (for example trainer.optim.lr=5e-6), or model.lora.rank=8 at this rate"
     )
 
 

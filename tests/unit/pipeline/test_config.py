@@ -272,10 +272,12 @@ def test_a_run_on_ones_own_model_with_the_demo_learning_rate_is_warned_once(tmp_
     own = load_config(None, [f"model.path={tmp_path}/smollm2"])
     warning = learning_rate_warning(own, demo_dir)
     assert warning.startswith("asyncrl: warning: trainer.optim.lr is 0.0001, the demo model's default")
-    assert "trainer.optim.lr=2e-6" in warning and "\n" not in warning
+    assert "trainer.optim.lr=5e-6" in warning and "\n" not in warning
     assert (
         learning_rate_warning(load_config(None, [f"model.path={tmp_path}/m", "trainer.optim.lr=2e-6"]), demo_dir)
         is None
     )
     assert learning_rate_warning(load_config(None, []), demo_dir) is None  # the demo model: its own rate
+    lora = load_config(None, [f"model.path={tmp_path}/smollm2", "model.lora.rank=8"])
+    assert learning_rate_warning(lora, demo_dir) is None  # an adapter's rate is about ten times a full fine-tune's
     assert learning_rate_warning(load_config(None, [f"model.path={demo_dir}"]), demo_dir) is None  # a demo resumed
