@@ -26,7 +26,7 @@ from transformers.cache_utils import Cache
 
 DIRECT_FAMILIES = {"llama", "qwen2", "qwen3"}  # pre-norm, rotary, gated MLP, RMSNorm; no sliding window
 STATIC_ROPE = {"default", "linear", "llama3", "yarn"}  # frequencies independent of the sequence length
-FUSE_BYTES = 64 << 20  # DirectForward lays decoder weights out fused up to this size (see there)
+INPUT_MAJOR_BYTES = 64 << 20  # float32 decoder weights up to this size are laid out input-major (DirectForward)
 
 
 @dataclass
@@ -74,11 +74,11 @@ class LayerWeights:
     of an op."""
 
     attn_norm: torch.Tensor  # [H]
-    qkv: list[Linear]  # one linear to [Hq*D + 2*Hkv*D], or q, k and v
+    qkv: Linear  # q, k and v side by side: to [Hq*D + 2*Hkv*D]
     qk_norm: tuple[torch.Tensor, torch.Tensor] | None  # [D] each, Qwen3's q and k norm weights
     o: Linear
     mlp_norm: torch.Tensor  # [H]
-    gate_up: list[Linear]  # one linear to [2*I], or gate and up
+    gate_up: Linear  # gate and up side by side: to [2*I]
     act: torch.nn.Module
     down: Linear
 
@@ -87,18 +87,18 @@ class DirectForward:
     """The Llama-family forward as plain tensor ops over the HF model's own parameters.
 
     Decode and prefill rows share every dense op (one weight read per layer per step);
-    only attention is per kind. A small model's step is mostly per-op overhead, so where
-    the layers' weights are at most FUSE_BYTES they are moved once into the layout that
-    runs fastest: q/k/v and gate/up fused into one matmul each, every matrix input-major
-    (x @ W.T from it is 1.1-1.7x faster on CPU for the demo model's matrices at 1-64
-    rows; at 1 row it sums in another order than HF's layout, so logits may differ in
+    only attention is per kind. The layers' weights are moved once into the layout that
+    runs fastest: q/k/v and gate/up fused into one matmul each (fewer, wider products:
+    SmolLM2's bfloat16 decode step at 32 rows spent a quarter less in them), and in
+    float32 up to INPUT_MAJOR_BYTES every matrix input-major (x @ W.T from it is
+    1.1-1.7x faster on CPU for the demo model's matrices at 1-64 rows, and 1.8x slower in
+    bfloat16; at 1 row it sums in another order than HF's layout, so logits may differ in
     the last bits). The modules' parameters become views into that layout (`fuse`), so
     every load into the model (the engine's, or an in-place `load_state_dict`) writes
     straight into what the forward reads: no copy to rebuild, none to go stale. The
     engine owns the model from then on: converting it (`.to(dtype)`) would cut the views.
-    Larger models use their parameters as they are. Rotary turns q and k together; its
-    table is the model's own rotary embedding evaluated once per position (hence
-    STATIC_ROPE only).
+    Rotary turns q and k together; its table is the model's own rotary embedding
+    evaluated once per position (hence STATIC_ROPE only).
     """
 
     def __init__(self, model):
@@ -107,31 +107,32 @@ class DirectForward:
         self.head_dim, self.scale = attn.head_dim, attn.scaling
         self.heads = attn.q_proj.out_features // self.head_dim, attn.k_proj.out_features // self.head_dim  # Hq, Hkv
         self.eps = self.base.norm.variance_epsilon  # these families make every RMSNorm with the config's eps
-        self.fused = sum(p.numel() * p.element_size() for p in self.base.layers.parameters()) <= FUSE_BYTES
+        layers = self.base.layers.parameters()
+        self.input_major = (
+            self.head.weight.dtype == torch.float32
+            and sum(p.numel() * p.element_size() for p in layers) <= INPUT_MAJOR_BYTES
+        )
         self.cos = self.sin = None  # [C, 1, D] each, sin signed so that rotate_half(x) * sin = x.roll(D/2) * sin
         self.head_rows = None  # [Hkv], each kv head's first row in a slot's cache flattened to [Hkv*C, D]
         with torch.no_grad():
             self.layers = [self.layer_weights(layer) for layer in self.base.layers]
 
     def layer_weights(self, layer) -> LayerWeights:
-        """A decoder layer's tensors: fused input-major ones where `self.fused`, else the parameters as they are."""
+        """A decoder layer's tensors, laid out fused (input-major where `self.input_major`)."""
         attn, mlp = layer.self_attn, layer.mlp
-
-        def group(*linears: torch.nn.Linear) -> list[Linear]:
-            return [fuse(linears)] if self.fused else [(m.weight, m.bias) for m in linears]
 
         qk_norm = None
         if hasattr(attn, "q_norm"):  # Qwen3 normalises each head's q and k before rotary
             qk_norm = attn.q_norm.weight, attn.k_norm.weight
         return LayerWeights(
             attn_norm=layer.input_layernorm.weight,
-            qkv=group(attn.q_proj, attn.k_proj, attn.v_proj),
+            qkv=fuse((attn.q_proj, attn.k_proj, attn.v_proj), self.input_major),
             qk_norm=qk_norm,
-            o=group(attn.o_proj)[0],
+            o=fuse((attn.o_proj,), self.input_major),
             mlp_norm=layer.post_attention_layernorm.weight,
-            gate_up=group(mlp.gate_proj, mlp.up_proj),
+            gate_up=fuse((mlp.gate_proj, mlp.up_proj), self.input_major),
             act=mlp.act_fn,
-            down=group(mlp.down_proj)[0],
+            down=fuse((mlp.down_proj,), self.input_major),
         )
 
     def reserve(self, capacity: int) -> None:
@@ -156,7 +157,7 @@ class DirectForward:
             at = (rows + batch.pos[: batch.decode])[:, None] + self.head_rows  # [Bd, Hkv], rows of [Bd*Hkv*C, D]
         for i, w in enumerate(self.layers):
             h = rms_norm(x, w.attn_norm, self.eps)  # [N, H]
-            qkv = linear(h, w.qkv).view(n, -1, d)  # [N, Hq+2*Hkv, D]
+            qkv = F.linear(h, *w.qkv).view(n, -1, d)  # [N, Hq+2*Hkv, D]
             qk, v = qkv[:, : hq + hkv], qkv[:, hq + hkv :]  # [N, Hq+Hkv, D], [N, Hkv, D]
             if w.qk_norm is not None:
                 q_norm, k_norm = w.qk_norm  # [D] each, to q's heads and k's heads side by side: [Hq+Hkv, D]
@@ -165,7 +166,7 @@ class DirectForward:
             o = self.attend(batch, i, qk[:, :hq], qk[:, hq:], v, mask, at)  # [N, Hq*D]
             x = x + F.linear(o, *w.o)  # [N, H]
             h = rms_norm(x, w.mlp_norm, self.eps)  # [N, H]
-            gate, up = linear(h, w.gate_up).chunk(2, -1)  # [N, I] each
+            gate, up = F.linear(h, *w.gate_up).chunk(2, -1)  # [N, I] each
             x = x + F.linear(w.act(gate) * up, *w.down)  # [N, H]
         h = rms_norm(x[batch.out], self.base.norm.weight, self.eps)  # [rows, H]
         return F.linear(h, self.head.weight, self.head.bias).float()  # [rows, V]
@@ -206,10 +207,14 @@ class DirectForward:
         return parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, Hq*D]
 
 
-def fuse(linears: tuple[torch.nn.Linear, ...]) -> Linear:
-    """One linear computing `linears` side by side, its weight stored input-major ([in, out], used transposed),
-    each module's weight and bias re-made as a view into it: a load into a module is a load into the fused one."""
-    weight = torch.cat([m.weight.t() for m in linears], 1)  # [in, out]
+def fuse(linears: tuple[torch.nn.Linear, ...], input_major: bool) -> Linear:
+    """One linear computing `linears` side by side, each module's weight and bias re-made as a view into it: a load
+    into a module is a load into the fused one. Its weight is stored [out, in], or input-major ([in, out], used
+    transposed) where `input_major`."""
+    if input_major:
+        weight = torch.cat([m.weight.t() for m in linears], 1).t()  # [out, in], a view of [in, out] storage
+    else:
+        weight = torch.cat([m.weight for m in linears])  # [out, in]
     bias = None
     if any(m.bias is not None for m in linears):  # a module without one reads zeros there
         zeros = partial(torch.zeros, dtype=weight.dtype, device=weight.device)
@@ -217,17 +222,11 @@ def fuse(linears: tuple[torch.nn.Linear, ...]) -> Linear:
     start = 0
     for m in linears:
         end = start + m.out_features
-        m.weight = torch.nn.Parameter(weight[:, start:end].t(), requires_grad=m.weight.requires_grad)  # [o, in]
+        m.weight = torch.nn.Parameter(weight[start:end], requires_grad=m.weight.requires_grad)  # [o, in]
         if m.bias is not None:
             m.bias = torch.nn.Parameter(bias[start:end], requires_grad=m.bias.requires_grad)  # [o]
         start = end
-    return weight.t(), bias
-
-
-def linear(x: torch.Tensor, parts: list[Linear]) -> torch.Tensor:
-    """x through each linear of `parts`, their outputs side by side."""
-    out = [F.linear(x, w, b) for w, b in parts]
-    return out[0] if len(out) == 1 else torch.cat(out, -1)
+    return weight, bias
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

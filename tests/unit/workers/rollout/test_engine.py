@@ -329,13 +329,16 @@ def test_a_cache_lagging_more_than_cache_lag_versions_is_recomputed(model, forwa
     assert not engine.cached_at
 
 
+@pytest.mark.parametrize("input_major", [True, False])
 @pytest.mark.parametrize("load", ["update_weights", "in_place"])
-def test_direct_forward_follows_weight_loads(model, tmp_path, load):
+def test_direct_forward_follows_weight_loads(model, tmp_path, load, input_major, monkeypatch):
     """The direct forward runs on the weights laid out fused, the model's parameters views into them: after a
     load, through the engine or straight into the model in place, every next logit must be a fresh forward's
-    under the new weights."""
+    under the new weights, in either layout."""
+    if not input_major:
+        monkeypatch.setattr(forward_module, "INPUT_MAJOR_BYTES", 0)
     engine = Engine(model, forward="direct")
-    assert engine.forward.fused  # a tiny model's weights are laid out fused
+    assert engine.forward.input_major == input_major  # a tiny float32 model's weights are laid out input-major
     generate_all(engine, PROMPTS, GREEDY)  # the old weights in use
     new_weights = perturbed(model)
     if load == "update_weights":
@@ -349,11 +352,11 @@ def test_direct_forward_follows_weight_loads(model, tmp_path, load):
         torch.testing.assert_close(torch.tensor(seq.logprobs), want, atol=1e-4, rtol=0)
 
 
-def test_direct_forward_unfused_matches_hf_generate(model, monkeypatch):
-    """A model over FUSE_BYTES runs the direct forward on its parameters as they are."""
-    monkeypatch.setattr(forward_module, "FUSE_BYTES", 0)
+def test_direct_forward_output_major_matches_hf_generate(model, monkeypatch):
+    """A model over INPUT_MAJOR_BYTES (or not in float32) runs the direct forward on fused [out, in] weights."""
+    monkeypatch.setattr(forward_module, "INPUT_MAJOR_BYTES", 0)
     engine = Engine(model, forward="direct")
-    assert not engine.forward.fused
+    assert not engine.forward.input_major
     for prompt, seq in zip(PROMPTS, generate_all(engine, PROMPTS, GREEDY), strict=True):
         assert seq.token_ids == hf_greedy(model, prompt, GREEDY.max_new_tokens)
 
