@@ -179,12 +179,13 @@ def step_costs(model, prompts: list[list[int]], lengths: list[int], s: Settings)
         return round(min(times), 2)
 
     params = SamplingParams(temperature=s.temperature, max_new_tokens=s.max_new_tokens)
-    decode = {}
-    for rows in sorted({1, 16, s.concurrency}):
+    decode, contexts = {}, {}
+    for rows in decode_rows(s.concurrency):
         engine = own_engine(model, max_batch=rows, seed=s.seed)
         for i in range(rows):
             engine.submit(str(i), prompts[i % len(prompts)], params)
         engine.step()  # the prefill
+        contexts[rows] = sum(len(seq) for seq in engine.slots)  # each row attends its whole sequence
         decode[rows] = best_ms(engine.step)
     engine = own_engine(model, max_batch=s.concurrency, seed=s.seed)  # mid-run: contexts of many lengths
     for i, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
@@ -211,10 +212,35 @@ def step_costs(model, prompts: list[list[int]], lengths: list[int], s: Settings)
     rows = min(marked, key=len)  # every timed update re-prefilled every running sequence, or this says less
     return {
         "decode_step_ms": decode,
+        "decode_context_sum": contexts,  # at the first timed step, for its FLOPs
         "reprefill_ms": reprefill,
         "reprefill_rows": len(rows),
         "reprefill_context_mean": round(sum(rows) / max(1, len(rows)), 1),
     }
+
+
+def decode_rows(concurrency: int) -> list[int]:
+    """The batch sizes whose decode step is timed: 1, 16, every power of two from 32 below `concurrency`, and it."""
+    return sorted({1, 16, concurrency, *(2**k for k in range(5, 16) if 2**k < concurrency)})
+
+
+def decode_utilisation(model, costs: dict, ceiling: float, cores: int, repeats: int) -> dict:
+    """Per timed batch size: the decode step's model GFLOP/s and MFU, beside its matmuls alone (every weight
+    matrix once at those rows) as a share of the ceiling: how much of the gap is the matmuls' shape, how much the
+    rest of the step (attention, norms, sampling, Python)."""
+    config, out = model.config.to_dict(), {}
+    for rows, ms in costs["decode_step_ms"].items():
+        achieved = flops.gflops(flops.forward_flops(config, rows, costs["decode_context_sum"][rows]), ms / 1000)
+        matmuls = matmul_ceiling(model, rows, repeats)
+        alone = flops.gflops(flops.forward_flops(config, rows, 0), matmuls["pass_ms"] / 1000)
+        out[rows] = {
+            "step_ms": ms,
+            "gflops": round(achieved, 2),
+            "mfu": round(flops.mfu(achieved, ceiling, cores), 4),
+            "matmul_ms": matmuls["pass_ms"],
+            "matmul_mfu": round(flops.mfu(alone, ceiling, cores), 4),
+        }
+    return out
 
 
 def matmul_ceiling(model, rows: int, repeats: int) -> dict:
@@ -360,6 +386,9 @@ def benchmark(s: Settings) -> dict:
     results = compare(model, prompts, scenarios, s)
     ceiling = matmul_ceiling(model, s.concurrency, s.repeats)
     used = utilisation(model, prompts, {k: {**r, "new_tokens": scenarios[k]} for k, r in results.items()}, s)
+    costs = step_costs(model, prompts, scenarios["long_tailed"], s)
+    cores = s.threads if s.device == "cpu" else 1
+    used["decode_steps"] = decode_utilisation(model, costs, used["ceiling_gflops_per_core"], cores, s.repeats)
     return {
         "speedup_vs_hf": results["long_tailed"]["speedup_vs_hf"],
         "speedup_vs_hf_fixed": results["fixed"]["speedup_vs_hf"],
@@ -370,7 +399,7 @@ def benchmark(s: Settings) -> dict:
             results["long_tailed"]["engine"]["tokens_per_s"] / ceiling["tokens_per_s"], 3
         ),
         "scenarios": results,
-        "step_costs": step_costs(model, prompts, scenarios["long_tailed"], s),
+        "step_costs": costs,
         "settings": settings_record(s, prompts, str(model.dtype).removeprefix("torch.")),
         "model": {
             "name": name,
@@ -458,6 +487,11 @@ def utilisation_lines(report: dict) -> list[str]:
         lines.append(
             f"{name:<12} model GFLOP/s: engine {r['engine']:.2f} (MFU {r['engine_mfu']:.1%} of the ceiling x "
             f"{threads} thread(s)), hf generate {r['hf']:.2f} (MFU {r['hf_mfu']:.1%})"
+        )
+    for rows, r in used["decode_steps"].items():
+        lines.append(
+            f"decode step at {rows} rows: {r['step_ms']:.1f} ms, {r['gflops']:.1f} GFLOP/s, MFU {r['mfu']:.1%}; "
+            f"its matmuls alone {r['matmul_ms']:.1f} ms, MFU {r['matmul_mfu']:.1%}"
         )
     return lines
 

@@ -47,6 +47,10 @@ def test_bench_generate_writes_its_headline_and_settings(tmp_path, capsys):
     assert used["dtype"] == result["settings"]["dtype"] == "float32"  # --dtype auto: the demo model stays float32
     assert used["ceiling_gflops_per_core"] > 0 and used["ceiling_decode_shape_gflops_per_core"] > 0
     assert result["engine_mfu"] == used["scenarios"]["long_tailed"]["engine_mfu"] > 0
+    steps = used["decode_steps"]  # each timed batch size's step against its matmuls alone
+    assert set(steps) == {"1", "4", "16"} and all(r["mfu"] > 0 and r["matmul_mfu"] > 0 for r in steps.values())
+    assert steps["16"]["step_ms"] == costs["decode_step_ms"]["16"]
     printed = capsys.readouterr().out
     assert "MFU" in printed and "GFLOP/s per core in float32" in printed
     assert "speedup" in printed and "re-prefilling" in printed and "matmul ceiling at 4 rows" in printed
+    assert "decode step at 16 rows" in printed
