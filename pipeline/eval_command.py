@@ -1,9 +1,10 @@
 """`asyncrl eval`: the evaluator (`workers.evaluator.scoring`) on a model directory or on a run's weight version.
 
 What is unknown from the flags comes from the run (`--run DIR`: its config.yaml): data, reward,
-template, lengths, device. A run's version is refused unless it is whole: its sha256 must match
-the run's `weights` announcement when the run's topics export is at hand, and in any case the
-file must read as safetensors and name its own version.
+template, lengths, device. A run's version, whole or delta (rebuilt from its chain of deltas), is
+refused unless it is intact: its sha256 must match the run's `weights` announcement when the run's
+topics export is at hand, and in any case its file must read as safetensors and name its own version
+(a delta's result must hash as its header says).
 """
 
 from __future__ import annotations
@@ -107,23 +108,14 @@ def weights_dir(run_dir: Path, run: RunConfig) -> Path:
     return recorded if recorded is not None and recorded.is_dir() else run_dir / "weights"
 
 
-def kept_versions(directory: Path) -> list[int]:
-    found = []
-    for path in directory.glob("v*.safetensors"):
-        try:
-            found.append(int(path.stem[1:]))
-        except ValueError:
-            continue
-    return sorted(found)
-
-
 def run_target(run_dir: Path, run: RunConfig, version: str) -> Target:
-    """The run's model and the file of `version` ('latest', N; 0 = the base model unless a v0 file exists)."""
-    from workers.runtime import version_path
+    """The run's model and the file of `version` ('latest', N; 0 = the base model unless a v0 file exists), whole
+    or delta."""
+    from workers.runtime import stored_path, stored_versions, version_path
 
     base = model_dir(run.model.path) if Path(run.model.path).is_dir() else None
     directory = weights_dir(run_dir, run)
-    kept = kept_versions(directory)
+    kept = stored_versions(directory)
     if version != "latest" and not version.isdigit():
         raise ConfigError(f"--version {version!r}: give a number or 'latest'")
     number = (kept[-1] if kept else 0) if version == "latest" else int(version)
@@ -137,7 +129,7 @@ def run_target(run_dir: Path, run: RunConfig, version: str) -> Target:
             f"--version {number}: no {version_path(directory, number).name} in {directory} (kept: {listed}; "
             "trainer.checkpoint.keep_versions says how many a run keeps; 0 = the base model)"
         )
-    return Target(base, number, version_path(directory, number))
+    return Target(base, number, stored_path(directory, number))
 
 
 def announced_hash(run_dir: Path, version: int) -> str | None:
@@ -164,27 +156,13 @@ def announced_hash(run_dir: Path, version: int) -> str | None:
 
 
 def read_checked(target: Target, run_dir: Path) -> tuple[dict, dict[str, str]]:
-    """The tensors and metadata of the target's version from one read of its file: the bytes the trainer announced
-    (where the run's topics export says which), whole, and of that version; WeightsError saying why not."""
-    import safetensors.torch
+    """The tensors and metadata of the target's version (a delta version rebuilt from its chain): the whole
+    version the trainer announced (where the run's topics export says which), intact, and of that version;
+    WeightsError saying why not."""
+    from workers.weight_deltas import read_stored_version
 
-    from workers.weights import WeightsFile, file_metadata, verified_bytes
-
-    try:
-        data = verified_bytes(WeightsFile(target.weights, target.version, announced_hash(run_dir, target.version)))
-    except FileNotFoundError as exc:
-        raise WeightsError(str(exc)) from None
-    try:
-        tensors, metadata = safetensors.torch.load(data), file_metadata(data)
-        recorded = metadata.get("version")
-    except Exception as exc:  # safetensors' own error type for a torn header or body
-        raise WeightsError(
-            f"weights v{target.version}: {target.weights} is unreadable ({type(exc).__name__}: {exc}); "
-            "truncated or not a safetensors file"
-        ) from None
-    if recorded is not None and recorded != str(target.version):
-        raise WeightsError(f"weights v{target.version}: {target.weights} holds version {recorded}")
-    return tensors, metadata
+    stored = read_stored_version(Path(target.weights).parent, target.version, announced_hash(run_dir, target.version))
+    return stored.tensors, stored.metadata
 
 
 def default_reward(args: argparse.Namespace, run: RunConfig | None) -> str:

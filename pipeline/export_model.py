@@ -5,8 +5,9 @@ engine loads into the model it built from `model.path`. To use a trained policy 
 version goes back into that model and out as a directory `AutoModelForCausalLM.from_pretrained`
 loads: config.json, generation_config.json, model.safetensors (in the dtype the run published,
 so greedy outputs equal the run's engine at that version), the tokenizer (with its chat
-template), and asyncrl.json naming the run, version and the version file's sha256.
-`asyncrl run` exports its final version to `<run dir>/final-model/`.
+template), and asyncrl.json naming the run, version and the version's sha256 (its whole file's, the hash the
+trainer announced). A delta version (`trainer.checkpoint.whole_every` > 1) is rebuilt from its chain of
+deltas and checked against that hash first. `asyncrl run` exports its final version to `<run dir>/final-model/`.
 
 A LoRA run's version is an adapter: the export merges it into the base model (W0 + scale·B·A, as the
 rollout engine does, `workers.lora`), or with `adapter=True` (`--adapter`) writes the adapter alone as a
@@ -20,12 +21,15 @@ import hashlib
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import safetensors.torch
 import torch
 
 from pipeline.config import ConfigError, load_config
 from schemas.config import RunConfig
+
+if TYPE_CHECKING:
+    from workers.weight_deltas import StoredVersion
 
 NOTE = "asyncrl.json"  # what an export holds beside the model files; also marks a directory as an export
 FINAL_DIR = "final-model"
@@ -47,11 +51,11 @@ def on_disk(configured: str, fallback: Path) -> Path:
     return fallback if not path.exists() and fallback.exists() else path
 
 
-def pick_version(weights_dir: Path, version: int | None) -> tuple[Path, int]:
-    """The file of `version` (None: the newest on disk) and its number; ConfigError when it is gone."""
-    from workers.runtime import version_path, versions_on_disk
+def pick_version(weights_dir: Path, version: int | None) -> int:
+    """`version`, or the newest on disk (None), whole or delta; ConfigError when it is gone."""
+    from workers.runtime import stored_versions
 
-    kept = versions_on_disk(weights_dir)
+    kept = stored_versions(weights_dir)
     if not kept:
         raise ConfigError(f"{weights_dir} holds no weight versions (the trainer published none, or they are gone)")
     version = kept[-1] if version is None else version
@@ -61,7 +65,7 @@ def pick_version(weights_dir: Path, version: int | None) -> tuple[Path, int]:
             f"version {version} is not on disk in {weights_dir} (kept: {listed}); trainer.checkpoint.keep_versions "
             "keeps more"
         )
-    return version_path(weights_dir, version), version
+    return version
 
 
 def clear_out_dir(out_dir: Path) -> None:
@@ -77,36 +81,36 @@ def export_model(run_dir: str | Path, version: int | None, out_dir: str | Path, 
     """Write weight `version` of the run (None: the newest on disk) as a Hugging Face model directory at
     `out_dir` (a LoRA version merged into the base; `adapter`: the adapter alone, as PEFT saves one); returns
     `out_dir`. ConfigError (one line) when the run, its config, base model or version is missing, or `adapter` is
-    asked of a whole version."""
+    asked of a whole version; WeightsError (one line, naming the file) when the version's file or a delta of
+    its chain is corrupt."""
     from transformers import AutoTokenizer
 
     from workers.lora import is_adapter, write_adapter_dir
-    from workers.weights import file_metadata
+    from workers.weight_deltas import read_stored_version
 
     run_dir, out_dir = Path(run_dir).resolve(), Path(out_dir).resolve()
     config = run_config(run_dir)
     weights_dir = on_disk(config.trainer.checkpoint.weights_dir, run_dir / "weights")
-    path, version = pick_version(weights_dir, version)
+    version = pick_version(weights_dir, version)
     base = on_disk(config.model.path, run_dir / "model")
     if not (base / "config.json").is_file():
         raise ConfigError(f"model.path {base}: no Hugging Face model there (its config and tokenizer are exported)")
-    data = path.read_bytes()
-    if adapter and not is_adapter(file_metadata(data)):
+    stored = read_stored_version(weights_dir, version)
+    if adapter and not is_adapter(stored.metadata):
         raise ConfigError(f"--adapter: version {version} is a whole model, not a LoRA adapter (model.lora.rank 0)")
     clear_out_dir(out_dir)
-    tensors = safetensors.torch.load(data)
-    dtype = next((t.dtype for t in tensors.values() if t.is_floating_point()), torch.float32)  # as published
+    dtype = next((t.dtype for t in stored.tensors.values() if t.is_floating_point()), torch.float32)  # as published
     tokenizer = AutoTokenizer.from_pretrained(str(base))
     if adapter:
-        write_adapter_dir(data, out_dir, str(base))
+        write_adapter_dir(stored.data, out_dir, str(base))
     else:
-        write_model(base, data, dtype, tokenizer, out_dir)
+        write_model(base, stored, dtype, tokenizer, out_dir)
     tokenizer.save_pretrained(str(out_dir))
     note = {
         "run": str(run_dir),
         "version": version,
-        "weights_file": str(path),
-        "sha256": hashlib.sha256(data).hexdigest(),
+        "weights_file": str(stored.path),
+        "sha256": hashlib.sha256(stored.data).hexdigest(),
         "adapter": adapter,
         "dtype": str(dtype).removeprefix("torch."),
         "base_model": str(base),
@@ -118,14 +122,14 @@ def export_model(run_dir: str | Path, version: int | None, out_dir: str | Path, 
     return out_dir
 
 
-def write_model(base: Path, data: bytes, dtype: torch.dtype, tokenizer, out_dir: Path) -> None:
-    """The base model in `dtype` with the version in `data` loaded (an adapter merged), saved to `out_dir`."""
+def write_model(base: Path, stored: StoredVersion, dtype: torch.dtype, tokenizer, out_dir: Path) -> None:
+    """The base model in `dtype` with the version `stored` loaded (an adapter merged), saved to `out_dir`."""
     from transformers import AutoModelForCausalLM
 
     from workers.lora import VersionLoader
 
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype)
-    VersionLoader(model).load_bytes(data)
+    VersionLoader(model).load(stored.tensors, stored.metadata)
     generation = model.generation_config
     for name in ("eos_token_id", "pad_token_id", "bos_token_id"):  # generate() stops and pads as the run did
         if getattr(generation, name, None) is None and getattr(tokenizer, name, None) is not None:
@@ -147,8 +151,8 @@ def readme(note: dict) -> str:
     what = "A LoRA adapter" if note["adapter"] else "Weights"
     return (
         f"# asyncrl export: version {note['version']} of {Path(note['run']).name}\n\n"
-        f"{what} {note['weights_file']} (sha256 {note['sha256']}), {note['dtype']}, on the architecture and "
-        f"tokenizer of {note['base_model']} (BASE). The run encoded prompts with {prompt}.\n\n"
+        f"{what} from {note['weights_file']} (the version's sha256 {note['sha256']}), {note['dtype']}, on the "
+        f"architecture and tokenizer of {note['base_model']} (BASE). The run encoded prompts with {prompt}.\n\n"
         f"{load}"
         "    tokenizer = AutoTokenizer.from_pretrained(THIS_DIRECTORY)\n"
     )

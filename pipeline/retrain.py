@@ -4,8 +4,9 @@ The record of step N is its manifest on `batches` (exactly which trajectories,
 at which `scored` offsets) and the newest checkpoint before it (or the initial
 weights at model.path). Steps between that checkpoint and N are rebuilt from
 their manifests too. The result is compared with what the run kept of version N:
-its weights file, else a checkpoint at step N. On CPU in one process it is equal
-bit for bit; a run trained on several ranks reduces in another order (~1e-6).
+its weights file (a delta version rebuilt from its chain), else a checkpoint at step N.
+On CPU in one process it is equal bit for bit; a run trained on several ranks reduces
+in another order (~1e-6).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from workers import lora, runtime
 from workers.trainer import checkpoint
 from workers.trainer.buffer import GroupBuffer
 from workers.trainer.model import Trainer, checkpoints_dir
-from workers.weights import read_version
+from workers.weight_deltas import read_stored_version
+from workers.weights import WeightsError
 
 
 class RetrainError(LookupError):
@@ -59,10 +61,15 @@ def groups_of(manifest: BatchManifest, scored: dict[tuple[int, int], Scored]) ->
 
 
 def recorded_weights(config: RunConfig, step: int) -> tuple[Path, dict[str, torch.Tensor]]:
-    """Version `step` as the run kept it: the published weights, else a checkpoint of that step."""
-    path = runtime.version_path(runtime.weights_dir(config), step)
+    """Version `step` as the run kept it: the published weights (whole or delta), else a checkpoint of that step.
+    RetrainError when neither is there, or the published version's file (or a delta of its chain) is corrupt."""
+    directory = runtime.weights_dir(config)
+    path = runtime.stored_path(directory, step)
     if path.exists():
-        return path, read_version(path)
+        try:
+            return path, read_stored_version(directory, step).tensors
+        except WeightsError as error:
+            raise RetrainError(str(error)) from None
     saved = checkpoints_dir(config) / f"step_{step:06d}.pt"
     if saved.exists():
         model = torch.load(saved, weights_only=False)["model"]

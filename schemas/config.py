@@ -318,8 +318,8 @@ class CheckpointConfig(Section):
     whole_every: Annotated[
         int,
         doc(
-            "every K-th version is written whole, the others as deltas against the version before (the elements "
-            "that changed: ~6 % of a whole bf16 version); 1 = whole versions only (docs: Weights and versions)",
+            "every K-th version is written whole, the others as deltas against the one before (the changed "
+            "elements: ~6 % of a bf16 version); 1 = whole only, as LoRA needs (docs: Life of a prompt, Delta versions)",
             ge=1,
         ),
     ] = 1
@@ -487,6 +487,11 @@ class RunConfig(Section):
         if self.data.source != "builtin" and not self.model.path:
             raise ValueError(
                 "data.source other than 'builtin' needs model.path (the demo model only knows its task's rows)"
+            )
+        if self.model.lora.rank > 0 and self.trainer.checkpoint.whole_every > 1:
+            raise ValueError(
+                "trainer.checkpoint.whole_every > 1 needs model.lora.rank 0: a LoRA run's versions (adapters, "
+                "a few MB) are written whole"
             )
         if self.data.system_prompt and self.data.template != "chat":
             raise ValueError("data.system_prompt needs data.template=chat (a raw prompt has no system turn)")

@@ -68,6 +68,18 @@ def versions_on_disk(weights_dir: Path) -> list[int]:
     return sorted(int(p.stem[1:]) for p in weights_dir.glob("v*.safetensors") if p.stem[1:].isdigit())
 
 
+def stored_versions(weights_dir: Path) -> list[int]:
+    """The versions with a file in `weights_dir`, whole or delta, oldest first."""
+    return sorted({*versions_on_disk(weights_dir), *delta_versions_on_disk(weights_dir)})
+
+
+def stored_path(weights_dir: Path, version: int) -> Path:
+    """The file holding version `version`: its whole file, else its delta file, else (neither there) the whole
+    file's name."""
+    whole, delta = version_path(weights_dir, version), delta_path(weights_dir, version)
+    return delta if delta.is_file() and not whole.is_file() else whole
+
+
 def node_name() -> str:
     """The node this process runs on: Slurm's name for it in a job step (nodes may share a host name), else
     the host's name."""

@@ -16,12 +16,14 @@ from the announced version to the version it holds or to a whole file, whichever
 deltas forward and loads the result only if its whole hash is the announced one. A delta missing or corrupt
 on that walk refuses the version (the rollout worker sends it to `dead-letter` and keeps its weights); since
 every later delta up to the next whole version needs it, those are refused at once too, and the reader
-resumes at the next whole version.
+resumes at the next whole version. The evaluator's queue and the offline tools read a version from the files
+on disk alone (`read_stored_version`): the same chain, its result checked against the hash its delta names.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import sys
@@ -32,7 +34,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from workers.runtime import delta_path, delta_versions_on_disk, version_path, versions_on_disk
+from workers.runtime import delta_path, delta_versions_on_disk, stored_path, version_path, versions_on_disk
 from workers.weights import (
     NonFiniteWeights,
     WeightsError,
@@ -353,12 +355,55 @@ class ChainReader:
             path = delta_path(directory, version)
 
 
-def read_whole_version(weights_dir: Path, version: int) -> dict[str, torch.Tensor]:
-    """Version `version`'s whole tensors from the files on disk alone (the evaluator, offline tools): its whole
-    file, else its delta chain, checked against the whole hash the delta's header names."""
-    whole = version_path(weights_dir, version)
-    if whole.is_file() or not delta_path(weights_dir, version).is_file():
-        return load_ordered(verified_bytes(WeightsFile(whole, version)))
-    delta = read_delta(delta_path(weights_dir, version), version)
-    announced = WeightsFile(delta_path(weights_dir, version), version, delta.sha256, delta.base_version)
-    return ChainReader().read(announced)
+@dataclass(frozen=True)
+class StoredVersion:
+    """A version read from a weights directory as a whole version: the bytes of its whole file (rebuilt for a
+    delta version, as `write_version` would have written it) and the tensors and metadata they hold."""
+
+    version: int
+    path: Path  # the file read: the whole file, or the delta whose chain was rebuilt
+    data: bytes = field(repr=False)  # their sha256 is the version's whole hash, the one announced
+    tensors: dict[str, torch.Tensor] = field(repr=False)  # in the whole file's order
+    metadata: dict[str, str] = field(repr=False)
+
+
+def read_stored_version(weights_dir: Path, version: int, sha256: str | None = None) -> StoredVersion:
+    """Version `version` from the files in `weights_dir` alone (the evaluator's queue and the offline tools:
+    export, eval, replay retrain): its whole file, else its delta chain rebuilt and checked against the whole
+    hash the delta's header names. `sha256`: the version's announced hash, where known. WeightsError, one line
+    naming the version and the file, when a file is missing, corrupt, of another version or hashes otherwise."""
+    path = stored_path(weights_dir, version)
+    try:
+        if path == version_path(weights_dir, version):
+            data = verified_bytes(WeightsFile(path, version, sha256))
+            tensors = load_ordered(data)
+        else:
+            tensors = rebuilt(path, version, sha256)
+            stream = io.BytesIO()
+            write_safetensors(tensors, stream, {"version": str(version)})  # the bytes `whole_hash` hashed
+            data = stream.getvalue()
+        metadata = file_metadata(data)
+    except (WeightsError, FileNotFoundError) as error:
+        raise WeightsError(str(error)) from None
+    except Exception as error:  # safetensors' own error for a torn header or body
+        raise WeightsError(
+            f"weights v{version}: {path} is unreadable ({type(error).__name__}: {error}); "
+            "truncated or not a safetensors file"
+        ) from None
+    if metadata.get("version", str(version)) != str(version):
+        raise WeightsError(f"weights v{version}: {path} holds version {metadata['version']}")
+    return StoredVersion(version, path, data, tensors, metadata)
+
+
+def rebuilt(path: Path, version: int, sha256: str | None) -> dict[str, torch.Tensor]:
+    """The whole tensors of the delta version at `path`, its chain applied and the result's hash checked;
+    WeightsError naming the asked version and its file when a delta on the chain is missing or corrupt."""
+    try:
+        delta = read_delta(path, version)
+        if sha256 is not None and delta.sha256 != sha256:
+            raise WeightsError(f"weights v{version}: {path} makes {delta.sha256[:16]}..., announced {sha256[:16]}...")
+        return ChainReader().read(WeightsFile(path, version, delta.sha256, delta.base_version))
+    except (WeightsError, FileNotFoundError) as error:
+        if str(error).startswith(f"weights v{version}: "):
+            raise
+        raise WeightsError(f"weights v{version}: {path} is a delta on a broken chain: {error}") from None

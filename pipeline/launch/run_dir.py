@@ -26,7 +26,7 @@ def new_run_dir(config: RunConfig) -> RunConfig:
     checkpoint = config.trainer.checkpoint
     if checkpoint.weights_dir == derived_weights_dir(config):  # that run's own: derive the new run's
         checkpoint = msgspec.structs.replace(checkpoint, weights_dir=AUTO)
-    elif checkpoint.weights_dir != AUTO and (held := runtime.versions_on_disk(Path(checkpoint.weights_dir))):
+    elif checkpoint.weights_dir != AUTO and (held := runtime.stored_versions(Path(checkpoint.weights_dir))):
         raise ConfigError(
             f"trainer.checkpoint.weights_dir {checkpoint.weights_dir} holds weight versions already (v{held[0]} to "
             f"v{held[-1]}, another run's): give this run an empty directory"

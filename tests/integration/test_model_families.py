@@ -135,7 +135,7 @@ def train(config, steps: int = STEPS) -> tuple[Trainer, object, list[PromptGroup
         stats.append(trainer.train(groups))
         published = trainer.publish()
         digest = published.sha256
-        engine.update_weights(WeightsFile(published.path, trainer.state.step))
+        engine.update_weights(WeightsFile(published.path, trainer.state.step, digest, published.base_version))
     return trainer, engine, prompts, stats, digest
 
 

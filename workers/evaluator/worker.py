@@ -66,12 +66,10 @@ def link(source: Path, target: Path) -> None:
 def write_whole(weights_dir: Path, version: int, target: Path) -> None:
     """A delta version's whole file at `target`, rebuilt from its chain and checked against its whole hash (the
     queue then holds it while its chain may be collected)."""
-    from workers.weight_deltas import read_whole_version  # torch: only where delta versions are asked for
-    from workers.weights import write_safetensors
+    from workers.weight_deltas import read_stored_version  # torch: only where delta versions are asked for
 
     partial = target.with_name(target.name + ".partial")
-    with open(partial, "wb") as stream:
-        write_safetensors(read_whole_version(weights_dir, version), stream, {"version": str(version)})
+    partial.write_bytes(read_stored_version(weights_dir, version).data)
     partial.replace(target)
 
 

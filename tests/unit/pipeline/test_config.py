@@ -51,6 +51,7 @@ def test_round_trip_through_yaml(tmp_path):
         ("trainer.optim.minibatches=1000", "cannot exceed"),
         ("rollout.workers=3", "needs broker.partitions >= 3"),
         ("rollout.backend=vllm rollout.cache_lag=1", "needs rollout.backend=torch"),
+        ("model.lora.rank=4 trainer.checkpoint.whole_every=2", "whole_every > 1 needs model.lora.rank 0"),
         ("trainer.loss.behaviour_weight_mode=icepop trainer.loss.behaviour_weight_cap=2", "no cap"),
         ("trainer.loss.icepop_low=2 trainer.loss.icepop_high=1", "icepop_low must be below"),
         ("trainer.loss.objective=m2po trainer.loss.behaviour_weight_level=sequence", "do not apply"),

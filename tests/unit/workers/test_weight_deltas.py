@@ -1,13 +1,22 @@
 """Delta versions (workers/weight_deltas.py): the pure encode/apply pair bit for bit, the chain a reader
 rebuilds when it misses or finds a broken delta, what is collected, and a restarted publisher's chain."""
 
+import hashlib
+import re
 import zlib
 
 import pytest
 import torch
 
 from workers import weight_deltas as wd
-from workers.runtime import delta_path, delta_versions_on_disk, version_path, versions_on_disk
+from workers.runtime import (
+    delta_path,
+    delta_versions_on_disk,
+    stored_path,
+    stored_versions,
+    version_path,
+    versions_on_disk,
+)
 from workers.weights import WeightsError, WeightsFile, drop_versions_after, file_hash, unique_state_dict
 
 
@@ -190,11 +199,71 @@ def test_a_restarted_publisher_continues_the_chain_exactly(tmp_path, killed_afte
         assert a.path.read_bytes() == b.path.read_bytes()
 
 
-def test_read_whole_version_from_disk(tmp_path):
+def test_stored_versions_and_their_files(tmp_path):
+    publish_all(tmp_path, versions(5), whole_every=3)
+    assert stored_versions(tmp_path) == [0, 1, 2, 3, 4]
+    assert [stored_path(tmp_path, v).name for v in (0, 2, 3, 4, 9)] == [
+        "v000000.safetensors",
+        "v000002.delta.safetensors",
+        "v000003.safetensors",
+        "v000004.delta.safetensors",
+        "v000009.safetensors",  # neither file: the whole file's name
+    ]
+
+
+def test_read_stored_version_rebuilds_a_delta_version_as_its_whole_file(tmp_path):
+    """The bytes of a delta version are the whole file `write_version` would have written: the announced hash."""
     weight_sets = versions(7)
-    publish_all(tmp_path, weight_sets)
-    assert same_bits(wd.read_whole_version(tmp_path, 6), weight_sets[6])
-    assert same_bits(wd.read_whole_version(tmp_path, 4), weight_sets[4])
+    published = publish_all(tmp_path, weight_sets, whole_every=3)
+    for version in (2, 3, 5):  # a delta two deep, a whole version, a delta on a whole version
+        stored = wd.read_stored_version(tmp_path, version, published[version].sha256)
+        assert stored.path == published[version].path and stored.metadata == {"version": str(version)}
+        assert same_bits(stored.tensors, weight_sets[version])
+        assert hashlib.sha256(stored.data).hexdigest() == published[version].sha256
+        assert same_bits(wd.load_ordered(stored.data), weight_sets[version])
+    with pytest.raises(WeightsError, match="announced"):
+        wd.read_stored_version(tmp_path, 5, published[4].sha256)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("corrupt 4", r"^weights v5: {dir}/v000005.delta.safetensors is a delta on a broken chain: weights v4: "
+         r"delta {dir}/v000004.delta.safetensors is corrupt \(its payload's sha256 is not its header's\)$"),
+        ("missing 4", r"^weights v5: {dir}/v000005.delta.safetensors is a delta on a broken chain: weights v4: "
+         r"delta {dir}/v000004.delta.safetensors does not exist$"),
+        ("corrupt 5", r"^weights v5: delta {dir}/v000005.delta.safetensors is corrupt \(its payload's sha256"),
+        ("torn 3", r"^weights v5: .* broken chain: weights v3: {dir}/v000003.safetensors has sha256 "),
+        ("missing 3", r"^weights v5: .* broken chain: weights v3: delta {dir}/v000003.delta.safetensors does not "),
+        ("missing 5", r"^weights v5: {dir}/v000005.safetensors does not exist"),
+    ],
+)  # fmt: skip
+def test_a_broken_chain_is_one_line_naming_the_version_and_the_file(tmp_path, damage, message):
+    publish_all(tmp_path, versions(6), whole_every=3)
+    what, version = damage.split()
+    path = stored_path(tmp_path, int(version))
+    if what == "missing":
+        path.unlink()
+    else:
+        data = bytearray(path.read_bytes())
+        data[-3 if what == "corrupt" else len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+    with pytest.raises(WeightsError) as error:
+        wd.read_stored_version(tmp_path, 5)
+    assert re.match(message.format(dir=re.escape(str(tmp_path))), str(error.value)), str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_a_torn_whole_file_without_an_announced_hash_is_unreadable_or_of_another_version(tmp_path):
+    publish_all(tmp_path, versions(2), whole_every=3)
+    whole = version_path(tmp_path, 0)
+    whole.write_bytes(whole.read_bytes()[:100])
+    with pytest.raises(WeightsError, match=r"^weights v0: .*v000000.safetensors is unreadable \(.*truncated"):
+        wd.read_stored_version(tmp_path, 0)
+    wd.write_version({"w": torch.ones(2)}, tmp_path, 7, 10)
+    version_path(tmp_path, 7).rename(version_path(tmp_path, 6))
+    with pytest.raises(WeightsError, match=r"^weights v6: .*v000006.safetensors holds version 7$"):
+        wd.read_stored_version(tmp_path, 6)
 
 
 def test_the_engine_loads_delta_versions_and_refuses_a_broken_one(tmp_path):

@@ -107,6 +107,22 @@ def test_a_version_is_queued_once_written_and_given_up_only_when_it_cannot_come(
     assert [request.name for request in queued(queue_dir(run_dir))] == ["v000003.safetensors"]
 
 
+def test_a_delta_version_is_queued_as_its_whole_file_and_a_broken_chain_is_dropped(tmp_path: Path, capsys) -> None:
+    from tests.unit.workers.test_weight_deltas import publish_all, versions
+    from workers.weights import file_hash
+
+    weights, run_dir = tmp_path / "weights", tmp_path / "run"
+    published = publish_all(weights, versions(6), whole_every=3)
+    requests = EvalRequests(run_dir, weights)
+    requests.ask(5)  # a delta on the delta of v4, on whole v3
+    assert file_hash(queue_dir(run_dir) / "v000005.safetensors") == published[5].sha256  # the whole file, as announced
+    broken = runtime.delta_path(weights, 2)
+    broken.write_bytes(broken.read_bytes()[:-3] + b"xyz")
+    requests.ask(2)
+    assert requests.pending() == 1 and not (queue_dir(run_dir) / "v000002.safetensors").exists()
+    assert f"asyncrl eval: version 2 not queued: weights v2: delta {broken} is corrupt" in capsys.readouterr().out
+
+
 def test_a_resumed_run_s_queue_loses_the_versions_it_trains_anew(tmp_path: Path) -> None:
     """The killed launch asked for versions past the checkpoint the run resumes from: their links hold weights the
     resumed run never announces, and would take the place of the versions it writes under the same numbers."""
