@@ -50,6 +50,20 @@ def task_config(task: str, overrides: list[str]) -> RunConfig:
     return load_config(config_file(task), overrides)
 
 
+REAL_MODEL_TASK = "smollm2-math"  # the shipped real-model config that `--model` runs on
+
+
+def bench_task(args: argparse.Namespace, demo_task: str) -> str:
+    """The config a bench runs: --task, else the real-model config with --model, else the bench's demo task."""
+    return args.task or (REAL_MODEL_TASK if args.model else demo_task)
+
+
+def model_overrides(args: argparse.Namespace) -> list[str]:
+    """--model (a directory or an imported short name) as model.path, --eval-rows as eval.max_rows."""
+    model = [f"model.path={args.model}"] if args.model else []
+    return [*model, *([] if args.eval_rows is None else [f"eval.max_rows={args.eval_rows}"])]
+
+
 def task_label(task: str) -> str:
     """`--task` as a file-name part: the shipped config's name, or a YAML file's stem."""
     return Path(task).stem if task.endswith((".yaml", ".yml")) else task

@@ -21,6 +21,13 @@ its user:
 
 `time_to_peer_final_ratio` = asyncrl's time to reach the peer's final accuracy / the peer's
 wall time (below 1: asyncrl got there sooner; null: it never did).
+
+`--model DIR|short-name` runs both on a real model instead, with the shipped real-model config
+(`smollm2-math`: wordmath, chat template, its batch, learning rate, output limit, temperature and loss
+aggregation; `--steps`, `--eval-rows` shorten it). TRL loads the same directory in float32 and computes in
+the dtype model.dtype=auto resolves to (bfloat16 autocast on a CPU with native bfloat16, as asyncrl's trainer),
+and is given each prompt as the text that its tokenizer turns into the ids asyncrl's rollout sends. The
+config's trainer.skip_uniform_groups, which TRL has no counterpart of, stays asyncrl's alone (as on arith).
 """
 
 from __future__ import annotations
@@ -40,11 +47,16 @@ import transformers
 from tqdm import tqdm
 from transformers import TrainerCallback
 
-from pipeline.bench import build_demo_model, machine, task_config, task_label, with_model
+from pipeline.bench import bench_task, build_demo_model, machine, model_overrides, task_config, task_label
 from pipeline.config import ConfigError, resolve
 from pipeline.monitor import read_metrics, standing_steps
 from schemas.config import RunConfig
 
+PRECISION = {  # by whether model.dtype (resolved) is bfloat16, where GRPOConfig's bf16 is set
+    True: "the peer's weights and AdamW's moments float32, its forwards and backwards under bfloat16 autocast "
+    "(GRPOConfig bf16), as asyncrl's trainer; asyncrl's rollout and both systems' evaluations in bfloat16 weights",
+    False: "the peer in float32 throughout; asyncrl as model.dtype says",
+}
 TRL_MISSING = "asyncrl bench peer needs TRL: pip install -e '.[peer]'"
 # trainer.loss.aggregation -> TRL's loss_type: the same normalisation of the token losses
 LOSS_TYPES = {"token_mean": "dapo", "seq_mean": "grpo", "token_sum_norm": "dr_grpo"}
@@ -53,6 +65,7 @@ REWARD_SCALING = {"grpo": "group", "drgrpo": "none"}
 # steps of both systems when --steps is not given, by task (else the task config's): TRL's run on arith as
 # docs: Benchmarks measures it, twice the shipped arith config's 600 (which drops groups without advantage)
 PEER_STEPS = {"arith": 1200}
+DEMO_TASK = "arith"
 
 
 # ---- curves and the ratio: pure functions ----
@@ -208,7 +221,11 @@ def run_peer(config: RunConfig, threads: int, eval_every: int, out_dir: Path, pr
     evaluator = Evaluator.for_config(config)  # the rows and settings asyncrl's launcher evaluates with
     torch.set_num_threads(threads)  # after the Evaluator, which sets a rollout worker's threads
     verifier = Verifier(train_rows, make_scorer(config.data.reward, config.data.task))
-    dataset = Dataset.from_list([{"prompt": row.prompt, "row": row.index} for row in train_rows])
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    prompts = rollout_prompts(tokenizer, train_rows, config.data.template, config.data.system_prompt)
+    dataset = Dataset.from_list(
+        [{"prompt": text, "row": row.index} for row, text in zip(train_rows, prompts, strict=True)]
+    )
     bar = tqdm(total=config.trainer.steps, desc="trl grpo", unit="step", disable=not progress, file=sys.stderr)
     clock = PausableClock()
     model = load_causal_lm(config.model.path, "float32", config.model.device)
@@ -220,7 +237,7 @@ def run_peer(config: RunConfig, threads: int, eval_every: int, out_dir: Path, pr
             reward_funcs=verifier,
             args=GRPOConfig(**grpo_settings(config, eval_every, out_dir)),
             train_dataset=dataset,
-            processing_class=AutoTokenizer.from_pretrained(config.model.path),
+            processing_class=tokenizer,
             callbacks=[evaluations],
         )
         trainer.remove_callback(PrinterCallback)  # it prints every log dict; the bar and the table say what counts
@@ -232,6 +249,22 @@ def run_peer(config: RunConfig, threads: int, eval_every: int, out_dir: Path, pr
     return measured(
         evaluations.curve, seconds, clock.cpu_seconds(), steps, verifier.tokens, first_step_seconds=first, log=logged
     )
+
+
+def rollout_prompts(tokenizer, rows: list, template: str, system_prompt: str) -> list[str]:
+    """Each row's prompt as TRL is given it: the text that TRL's tokenizer call turns into the token ids asyncrl's
+    rollout sends (`encode_prompt`): the row's text ('raw'), or the chat template's turns decoded ('chat').
+    A ConfigError where a text does not tokenize back to those ids: the two would train on different prompts."""
+    from workers.models import encode_prompt
+
+    texts = []
+    for row in rows:
+        ids = encode_prompt(tokenizer, row.prompt, template, system_prompt)
+        text = row.prompt if template == "raw" else tokenizer.decode(ids)
+        if tokenizer(text)["input_ids"] != ids:
+            raise ConfigError(f"bench peer: row {row.index}'s {template} prompt does not tokenize back to its ids")
+        texts.append(text)
+    return texts
 
 
 def task_rows_for_training(config: RunConfig) -> list:
@@ -307,10 +340,11 @@ def use_cores(threads: int | None) -> list[int]:
 
 
 def shared_overrides(args: argparse.Namespace, runs_dir: Path) -> list[str]:
-    """The task config's changes both systems see."""
-    steps = args.steps or PEER_STEPS.get(task_label(args.task))
+    """The task config's changes both systems see; no wall-time limit: both train every step."""
+    steps = args.steps or PEER_STEPS.get(task_label(bench_task(args, DEMO_TASK)))
     steps = [f"trainer.steps={steps}"] if steps else []
-    return [*args.overrides, *steps, f"seed={args.seed}", "telemetry.sample_ratio=0", f"runs_dir={runs_dir}"]
+    common = [*model_overrides(args), "max_wall_s=0", *args.overrides, *steps]
+    return [*common, f"seed={args.seed}", "telemetry.sample_ratio=0", f"runs_dir={runs_dir}"]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -320,27 +354,25 @@ def run(args: argparse.Namespace) -> int:
         print(TRL_MISSING, file=sys.stderr)
         return 2
     transformers.utils.logging.disable_progress_bar()  # loading and saving bars would break the bench's bars
-    out = Path(args.out or f"runs/bench/peer-{task_label(args.task)}.json")
+    task = bench_task(args, DEMO_TASK)
+    out = Path(args.out or f"runs/bench/peer-{task_label(task)}.json")
     runs_dir = (out.parent / "peer-runs").resolve()
     common = shared_overrides(args, runs_dir)
-    config = task_config(args.task, common)
+    config = task_config(task, common)
     if config.data.source != "builtin":
         raise ConfigError("bench peer trains on a task's own rows: data.source must be builtin")
     eval_every = args.eval_every or config.eval.every or config.trainer.steps
     common.append(f"eval.every={eval_every}")
     cores = use_cores(args.threads)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    model = build_demo_model(config, runs_dir / f"models-{stamp}" / task_label(args.task), not args.no_progress)
-    config = resolve(with_model(task_config(args.task, common), model))
+    if not args.model:  # the task's demo model, built once: both start from identical weights
+        model = build_demo_model(config, runs_dir / f"models-{stamp}" / task_label(task), not args.no_progress)
+        common.append(f"model.path={model}")
+    config = resolve(task_config(task, common))
     grpo_settings(config, eval_every, runs_dir)  # an unsupported setting fails before either system runs
     print(f"bench peer on {config.data.task}: TRL {trl.__version__} GRPOTrainer, then asyncrl run", flush=True)
     peer = run_peer(config, len(cores), eval_every, runs_dir / f"trl-{stamp}", not args.no_progress)
-    ours = run_asyncrl(
-        args.task,
-        [*common, f"model.path={model}", f"name=peer-{task_label(args.task)}"],
-        runs_dir,
-        not args.no_progress,
-    )
+    ours = run_asyncrl(task, [*common, f"name=peer-{task_label(task)}"], runs_dir, not args.no_progress)
     if ours is None:
         print("asyncrl: the asyncrl run did not finish", file=sys.stderr)
         return 1
@@ -360,7 +392,8 @@ def build_report(
         "peer": {"system": f"TRL {trl} GRPOTrainer", **peer},
         "settings": {
             "task": config.data.task,
-            "task_config": args.task,
+            "task_config": bench_task(args, DEMO_TASK),
+            "template": config.data.template,
             "steps": config.trainer.steps,
             "seed": config.seed,
             "batch_groups": config.trainer.batch_groups,
@@ -370,6 +403,9 @@ def build_report(
             "eval_every": eval_every,
             "cores": cores,
             "model": config.model.path,
+            "dtype": config.model.dtype,
+            "precision": PRECISION[config.model.dtype == "bfloat16"],
+            "eval_rows": min(config.eval.max_rows or config.data.held_out, config.data.held_out),
             "grpo_config": grpo_settings(config, eval_every, Path("-")) | {"output_dir": None},
             "clocks": "peer: from model load to its last step, its evaluations left out; asyncrl: from the "
             "workers' start to the trainer's report of each evaluated step, its evaluations running beside it",
@@ -384,7 +420,8 @@ def table(report: dict) -> str:
     lines = [
         f"{s['task']}: {s['steps']} steps of {s['batch_groups']} x {s['n_samples']} samples, lr {s['lr']:g}, "
         f"outputs up to {s['max_new_tokens']} tokens, seed {s['seed']}, {len(s['cores'])} core(s); held-out greedy "
-        f"accuracy every {s['eval_every']} steps",
+        f"accuracy every {s['eval_every']} steps on {s['eval_rows']} held-out rows",
+        f"model {s['model']} in {s['dtype']}, {s['template']} prompts",
         f"{'system':<24} {'base %':>7} {'final %':>8} {'wall s':>8} {'1st step s':>10} {'steps/s':>8} "
         f"{'trained tok/s':>13} {'CPU s':>8}",
     ]

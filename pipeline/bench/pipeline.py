@@ -20,6 +20,13 @@ the window (sampled from /proc, `cpu_cores`). What bounds the ratio (`cpu_bound`
 core-seconds per step, and the async/sync ratio the async run's work per step would give with
 every usable core busy: the ceiling of this machine, short of doing less work per step.
 
+`--model DIR|short-name` runs the three on a real model instead, with the shipped real-model config
+(`smollm2-math`: wordmath in the chat template, its batch, learning rate, output limit, temperature and loss
+aggregation; `--steps`, `--eval-rows` shorten it). Each run's model FLOPs utilisation (`workers/flops.py`):
+the trainer's own `fb_gflops` and `fb_mfu` (its forwards and backwards), and the rollout's, 2·N per generated
+token over the window against one core's matmul ceiling in the runs' dtype, probed here before the runs, × the
+cores the rollout was given.
+
 The learning rate is tiny by default (`--lr`): the training compute is the same, but
 the policy stays put, so every run generates the same length distribution. With a
 real learning rate the lengths drift during the run, and differently per variant
@@ -35,10 +42,12 @@ import time
 from pathlib import Path
 
 from pipeline.bench import (
+    bench_task,
     build_demo_model,
     cores_given,
     cores_line,
     machine,
+    model_overrides,
     run_to_end,
     task_config,
     task_label,
@@ -49,7 +58,11 @@ from pipeline.bench.cpu import CpuSampler
 from pipeline.config import resolve
 from pipeline.monitor import read_metrics
 from schemas.config import RunConfig
+from workers import flops
 
+DEMO_TASK = "chain"
+# the bench's own steps, batch and learning rate on a demo model (tiny: the policy stays put, see above)
+DEMO_SETTINGS = {"trainer.steps": 60, "trainer.batch_groups": 8, "data.n_samples": 8, "trainer.optim.lr": 1e-9}
 VARIANTS = {
     "sync": ["trainer.max_staleness=0", "rollout.interrupt=true"],
     "async": ["trainer.max_staleness=4", "rollout.interrupt=true"],
@@ -67,6 +80,7 @@ def window_rates(lines: list[dict], warmup_steps: int) -> dict:
     seconds = last["time"] - first["time"]
     rollout = [l for l in lines if l["source"] == "rollout" and first["time"] <= l["time"] <= last["time"]]
     generated = sum(tokens / seconds for tokens, seconds in worker_changes(rollout, "generated_tokens") if seconds)
+    fb = {key: mean_of(measured, key) for key in ("fb_gflops", "fb_mfu")}  # the trainer's own, over its fb time
     return {
         "steps_measured": last["step"] - first["step"],
         "seconds": round(seconds, 2),
@@ -79,9 +93,28 @@ def window_rates(lines: list[dict], warmup_steps: int) -> dict:
         "interrupted_trajectories": last["interrupted_trajectories"],
         "trained_tokens": last["trained_tokens"],
         "step_breakdown": step_breakdown(measured),
+        **fb,
         **weights_costs(measured, rollout),
         **engine_use(rollout),
         "window": (first["time"], last["time"]),
+    }
+
+
+def mean_of(lines: list[dict], field: str) -> float | None:
+    """The mean of `field` over the lines that have it; None where none has."""
+    values = [line[field] for line in lines if field in line]
+    return round(sum(values) / len(values), 4) if values else None
+
+
+def rollout_utilisation(rollout: list[dict], shape: dict | None, ceiling: float, cores: int) -> dict:
+    """The rollout workers' model GFLOP/s, each worker's generated tokens over its time summed (2·N a token: the
+    matmuls of the forward that sampled it; attention and the prompts' prefill left out, so a floor), and their
+    MFU over `ceiling` GFLOP/s a core × the `cores` given them. None where not counted or not measured."""
+    changes = worker_changes(rollout, "generated_tokens") if shape else []
+    achieved = sum(flops.gflops(flops.forward_flops(shape, tokens, 0), s) for tokens, s in changes if s)
+    return {
+        "rollout_gflops": round(achieved, 3) if achieved else None,
+        "rollout_mfu": round(flops.mfu(achieved, ceiling, cores), 4) if achieved and ceiling else None,
     }
 
 
@@ -175,30 +208,57 @@ def straggler_bound(run: dict) -> str | None:
 
 
 def out_path(args: argparse.Namespace) -> Path:
-    return Path(args.out or f"runs/bench/pipeline-{task_label(args.task)}.json")
+    return Path(args.out or f"runs/bench/pipeline-{task_label(bench_task(args, DEMO_TASK))}.json")
+
+
+def bench_settings(args: argparse.Namespace) -> list[str]:
+    """The runs' steps, batch and learning rate: those given, else on a demo model the bench's (`DEMO_SETTINGS`),
+    on --model's the config's own."""
+    given = dict(zip(DEMO_SETTINGS, (args.steps, args.batch_groups, args.n_samples, args.lr), strict=True))
+    defaults = {} if args.model else DEMO_SETTINGS
+    chosen = {key: defaults.get(key) if value is None else value for key, value in given.items()}
+    return [f"{key}={value}" for key, value in chosen.items() if value is not None]
 
 
 def variant_configs(args: argparse.Namespace) -> tuple[dict[str, RunConfig], int]:
     """Every variant's config (the task's shipped one, the bench's settings, the variant's), and the
     output length limit they share: `--max-new-tokens`, else the task's (its config's, resolved)."""
+    task = bench_task(args, DEMO_TASK)
     common = [
         f"runs_dir={out_path(args).parent / 'pipeline-runs'}",
-        f"trainer.steps={args.steps}",
+        *model_overrides(args),
+        *bench_settings(args),
         "eval.every=0",
-        f"trainer.batch_groups={args.batch_groups}",
-        f"data.n_samples={args.n_samples}",
+        "max_wall_s=0",  # every variant runs every step (smollm2-math's own limit would cut the slower ones)
         f"seed={args.seed}",
         "telemetry.sample_ratio=0",
-        f"trainer.optim.lr={args.lr}",
         *args.overrides,
     ]
-    max_new_tokens = args.max_new_tokens or resolve(task_config(args.task, common)).rollout.max_new_tokens
+    max_new_tokens = args.max_new_tokens or resolve(task_config(task, common)).rollout.max_new_tokens
     common.append(f"rollout.max_new_tokens={max_new_tokens}")
     configs = {
-        name: task_config(args.task, [*common, *overrides, f"name=bench-{name}"])
-        for name, overrides in VARIANTS.items()
+        name: task_config(task, [*common, *overrides, f"name=bench-{name}"]) for name, overrides in VARIANTS.items()
     }
     return configs, max_new_tokens
+
+
+def model_flops(config: RunConfig) -> dict:
+    """What the runs' model FLOPs rest on (`config` resolved): the model's matmul parameters N (None where
+    `workers.flops` cannot count them) and one core's matmul ceiling in the dtype the runs compute in (0 off a
+    CPU, as the trainer's: one small product says nothing of a GPU's peak); its shape, for the counts."""
+    import torch
+
+    shape = json.loads((Path(config.model.path) / "config.json").read_text())
+    shape = shape if flops.counts(shape) else None
+    on_cpu = config.model.device == "cpu"
+    ceiling = flops.probe_ceiling(getattr(torch, config.model.dtype))["prefill"] if on_cpu else 0.0
+    return {
+        "dtype": config.model.dtype,
+        "ceiling_gflops_per_core": ceiling,
+        "cpu_model": flops.cpu_model(),
+        "matmul_parameters": flops.matmul_parameters(shape) if shape else None,
+        "shape": shape,
+    }
 
 
 def shared_model(configs: dict[str, RunConfig], progress: bool) -> dict[str, RunConfig]:
@@ -212,8 +272,11 @@ def shared_model(configs: dict[str, RunConfig], progress: bool) -> dict[str, Run
     return {name: with_model(config, path) for name, config in configs.items()}
 
 
-def measure_variants(configs: dict[str, RunConfig], args: argparse.Namespace) -> dict[str, dict] | None:
-    """Each variant run to the end, with its rates and the cores each role used; None if one did not finish."""
+def measure_variants(
+    configs: dict[str, RunConfig], args: argparse.Namespace, model: dict, rollout_cores: int
+) -> dict[str, dict] | None:
+    """Each variant run to the end, with its rates, its rollout's model GFLOP/s and MFU (`model`: `model_flops`,
+    on `rollout_cores`) and the cores each role used; None if one did not finish."""
     results = {}
     for name, config in configs.items():
         print(f"== {name}: {' '.join(VARIANTS[name])}", flush=True)
@@ -224,20 +287,25 @@ def measure_variants(configs: dict[str, RunConfig], args: argparse.Namespace) ->
             return None
         lines, _ = read_metrics(run_dir / "metrics.jsonl")
         rates = window_rates(lines, args.warmup_steps)
-        results[name] = {"run_dir": str(run_dir), **rates, "cpu_cores": cpu.cores(*rates.pop("window"))}
-        results[name]["mean_completion_tokens"] = round(
-            results[name]["trained_tokens"] / (args.steps * args.batch_groups * args.n_samples), 1
-        )
+        start, end = rates.pop("window")
+        rollout = [line for line in lines if line["source"] == "rollout" and start <= line["time"] <= end]
+        used = rollout_utilisation(rollout, model["shape"], model["ceiling_gflops_per_core"], rollout_cores)
+        results[name] = {"run_dir": str(run_dir), **rates, **used, "cpu_cores": cpu.cores(start, end)}
+        trajectories = config.trainer.steps * config.trainer.batch_groups * config.data.n_samples
+        results[name]["mean_completion_tokens"] = round(results[name]["trained_tokens"] / trajectories, 1)
     return results
 
 
 def run(args: argparse.Namespace) -> int:
     configs, max_new_tokens = variant_configs(args)
     configs = shared_model(configs, progress=not args.no_progress)
-    results = measure_variants(configs, args)
+    config, info = configs["async"], machine()
+    cores = cores_given(config, info["cpu_count"], info["usable_cores"])
+    model = model_flops(resolve(config))
+    print(flops_line(model), flush=True)
+    results = measure_variants(configs, args, model, cores["rollout"]["processes"] * cores["rollout"]["threads"])
     if results is None:
         return 1
-    config, info = configs["async"], machine()
     report = {
         "async_over_sync": round(results["async"]["trained_tokens_per_s"] / results["sync"]["trained_tokens_per_s"], 3),
         "interrupt_on_over_off": ratio(
@@ -246,21 +314,11 @@ def run(args: argparse.Namespace) -> int:
         "interrupt_on_over_off_trained": round(
             results["async"]["trained_tokens_per_s"] / results["async_no_interrupt"]["trained_tokens_per_s"], 3
         ),
-        "cores_given": cores_given(config, info["cpu_count"], info["usable_cores"]),
+        "cores_given": cores,
         "cpu_bound": cpu_bound(results, info["usable_cores"]),
+        "model_flops": {key: value for key, value in model.items() if key != "shape"},
         "runs": results,
-        "settings": {
-            **vars(args),
-            "out": str(out_path(args)),
-            "max_new_tokens": max_new_tokens,
-            "task": config.data.task,
-            "task_config": args.task,
-            "variants": VARIANTS,
-            "model": f"the {config.data.task} task's demo model ({config.model.path}), warmed up as `asyncrl run` "
-            "does for the seed, shared by the three runs",
-            "workload": f"the {config.data.task} task's own prompts; outputs end at the model's end token "
-            "or at max_new_tokens",
-        },
+        "settings": {**vars(args), **run_settings(args, config, max_new_tokens)},
         "machine": info,
     }
     print(table(report))
@@ -271,8 +329,66 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_settings(args: argparse.Namespace, config: RunConfig, max_new_tokens: int) -> dict:
+    """What every run shared, as the report's settings say it."""
+    demo = f"the {config.data.task} task's demo model ({config.model.path}), warmed up as `asyncrl run` does"
+    given = f"{config.model.path}, given by --model" if args.model else f"{demo} for the seed"
+    return {
+        "out": str(out_path(args)),
+        "steps": config.trainer.steps,
+        "batch_groups": config.trainer.batch_groups,
+        "n_samples": config.data.n_samples,
+        "lr": config.trainer.optim.lr,
+        "max_new_tokens": max_new_tokens,
+        "task": config.data.task,
+        "task_config": bench_task(args, DEMO_TASK),
+        "template": config.data.template,
+        "variants": VARIANTS,
+        "model": f"{given}, shared by the three runs",
+        "workload": f"the {config.data.task} task's own prompts; outputs end at the model's end token "
+        "or at max_new_tokens",
+    }
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
+
+
+def flops_line(model: dict) -> str:
+    """`model_flops` in one line: N and the ceiling per core in the runs' dtype."""
+    ceiling = model["ceiling_gflops_per_core"]
+    where = (
+        f"ceiling {ceiling:,.1f} GFLOP/s per core in {model['dtype']} (one thread, a 512x1024 by 1024x1024 product; "
+        f"{model['cpu_model'] or 'CPU model unknown'})"
+        if ceiling
+        else f"no ceiling measured ({model['dtype']} off a CPU): no MFU"
+    )
+    n = model["matmul_parameters"]
+    return f"model FLOPs: N = {n:,} matmul parameters; {where}" if n else f"model FLOPs: not counted; {where}"
+
+
+def utilisation_lines(report: dict) -> list[str]:
+    """Each run's rollout and trainer model GFLOP/s and MFU."""
+    rollout = report["cores_given"]["rollout"]
+
+    def rate(gflops: float | None, mfu: float | None) -> str:
+        return (
+            "not measured"
+            if gflops is None
+            else f"{gflops:,.2f} GFLOP/s" + (f" (MFU {mfu:.2%})" if mfu is not None else "")
+        )
+
+    lines = [
+        flops_line(report["model_flops"]),
+        f"  rollout: 2N a generated token over the window, MFU over its {rollout['processes'] * rollout['threads']} "
+        "core(s); trainer: its forwards' and backwards' fb_gflops and fb_mfu, means over the measured steps",
+    ]
+    for name, r in report["runs"].items():
+        lines.append(
+            f"  {name}: rollout {rate(r['rollout_gflops'], r['rollout_mfu'])}, "
+            f"trainer {rate(r['fb_gflops'], r['fb_mfu'])}"
+        )
+    return lines
 
 
 def table(report: dict) -> str:
@@ -320,6 +436,7 @@ def table(report: dict) -> str:
     lines.append("rollout engines: rows per step | share of the workers' time in steps | ms per token")
     for name, r in report["runs"].items():
         lines.append(f"  {name}: {r['engine_rows_per_step']} | {r['engine_busy']} | {r['engine_ms_per_token']}")
+    lines += utilisation_lines(report)
     lines.append(f"async/sync effective training throughput: {times(report['async_over_sync'])}")
     lines.append(
         f"interruption on/off generation throughput: {times(report['interrupt_on_over_off'])} "

@@ -21,11 +21,29 @@ def handle(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def add_model_options(parser: argparse.ArgumentParser, demo_task: str) -> None:
+    """--task, and --model with --eval-rows: a bench on the demo model of a task, or on a real model."""
+    from pipeline.bench import REAL_MODEL_TASK
+
+    add_task_option(parser, default=demo_task, real_model=REAL_MODEL_TASK)
+    parser.add_argument(
+        "--model",
+        help=f"a model directory or an imported model's short name (e.g. smollm2): run on it with the shipped "
+        f"real-model config {REAL_MODEL_TASK} (wordmath, chat template, its lr, batch, output limit, temperature and "
+        "loss aggregation) unless --task names another (default: the task's demo model)",
+    )
+    parser.add_argument(
+        "--eval-rows", type=int, help="held-out rows evaluated (eval.max_rows; default: the config's, 0 = all)"
+    )
+
+
 def add_pipeline_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. rollout.max_batch=16")
-    add_task_option(parser)
+    add_model_options(parser, demo_task="chain")
     parser.add_argument("--out", help="JSON results file (default: runs/bench/pipeline-<task>.json)")
-    parser.add_argument("--steps", type=int, default=60, help="trainer steps per run (default: %(default)s)")
+    parser.add_argument(
+        "--steps", type=int, help="trainer steps per run (default: 60; with --model: the config's trainer.steps)"
+    )
     parser.add_argument(
         "--warmup-steps", type=int, default=10, help="steps left out of the measurement (default: %(default)s)"
     )
@@ -34,22 +52,22 @@ def add_pipeline_options(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="output length limit (default: the task config's rollout.max_new_tokens, 0 = the task's own)",
     )
-    parser.add_argument("--batch-groups", type=int, default=8, help="groups per step (default: %(default)s)")
-    parser.add_argument("--n-samples", type=int, default=8, help="samples per group (default: %(default)s)")
+    parser.add_argument("--batch-groups", type=int, help="groups per step (default: 8; with --model: the config's)")
+    parser.add_argument("--n-samples", type=int, help="samples per group (default: 8; with --model: the config's)")
     parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     parser.add_argument(
         "--lr",
         type=float,
-        default=1e-9,
         help="trainer learning rate; tiny by default, so the policy (and its output lengths) stays "
-        "the same in every run and the ratios measure the system, not learning (default: %(default)s)",
+        "the same in every run and the ratios measure the system, not learning (default: 1e-09; with --model: "
+        "the config's, whose policy learns)",
     )
     add_no_progress(parser)
 
 
 def add_peer_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="dotted overrides of the task config, for both systems")
-    add_task_option(parser, default="arith")
+    add_model_options(parser, demo_task="arith")
     parser.add_argument(
         "--steps",
         type=int,
@@ -233,7 +251,9 @@ KINDS = [  # (name, its options, add_parser's help and description), in the orde
             help="training throughput: eta=0 vs eta=4, interruption on vs off",
             description="Three whole pipelines of --task's shipped config (default chain), back to back on one demo "
             "model: eta 0 (sync), eta 4 with interruption, eta 4 without. Reports trained and generated tokens/s, "
-            "the cores each role was given and used, and the machine's cores.",
+            "the cores each role was given and used, the machine's cores, and each run's rollout and trainer model "
+            "GFLOP/s and MFU against one core's matmul ceiling in the runs' dtype. --model runs them on a real model "
+            "with the shipped smollm2-math config (its batch, lr, output limit and sampling).",
         ),
     ),
     (
@@ -259,7 +279,9 @@ KINDS = [  # (name, its options, add_parser's help and description), in the orde
             description="TRL's GRPOTrainer, then `asyncrl run --task`, one after the other on the same cores, from "
             "the same demo model, with the task config's batch, samples, lr and output limit; both scored by "
             "asyncrl's evaluator. Reports each one's accuracy against wall time and time_to_peer_final_ratio "
-            "(asyncrl's time to the peer's final accuracy / the peer's wall time). Needs pip install -e '.[peer]'.",
+            "(asyncrl's time to the peer's final accuracy / the peer's wall time). --model runs both on a real model "
+            "with the shipped smollm2-math config, TRL in the dtype model.dtype=auto resolves to and on the chat "
+            "prompts asyncrl's rollout sends. Needs pip install -e '.[peer]'.",
         ),
     ),
     (

@@ -23,13 +23,15 @@ def add_no_progress(parser: argparse.ArgumentParser, help: str = "no progress ba
     parser.add_argument("--no-progress", action="store_true", help=help)
 
 
-def add_task_option(parser: argparse.ArgumentParser, default: str = "chain") -> None:
-    """A benchmark's task: every run is that config plus the bench's settings."""
+def add_task_option(parser: argparse.ArgumentParser, default: str = "chain", real_model: str = "") -> None:
+    """A benchmark's task: every run is that config plus the bench's settings. With `real_model` (a shipped
+    config's name) the option defaults to None: the bench picks `default`, or `real_model` under --model."""
     parser.add_argument(
         "--task",
-        default=default,
+        default=None if real_model else default,
         help="a shipped config's name (pipeline/configs/<task>.yaml: arith, chain) or a YAML config file; "
-        "every run is that config plus the bench's settings (default: %(default)s)",
+        "every run is that config plus the bench's settings "
+        + (f"(default: {default}; with --model: {real_model})" if real_model else "(default: %(default)s)"),
     )
 
 

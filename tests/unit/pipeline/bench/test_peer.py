@@ -1,15 +1,20 @@
-"""`asyncrl bench peer`: the ratio, the curves read from a run's metrics, TRL's settings, the report, the message
-without TRL, and a few real steps of TRL's GRPOTrainer."""
+"""`asyncrl bench peer`: the ratio, the curves read from a run's metrics, TRL's settings (on a demo task and on
+--model's real-model config), the prompts TRL is given, the report, the message without TRL, and a few real steps
+of TRL's GRPOTrainer."""
 
 import json
 import sys
 
 import pytest
+from tokenizers import processors
+from transformers import AutoTokenizer
 
-from pipeline.bench import build_demo_model, peer, task_config, with_model
+from pipeline.bench import bench_task, build_demo_model, peer, task_config, with_model
 from pipeline.cli import build_parser, main
 from pipeline.config import ConfigError, resolve
+from pipeline.demo_model import EOS_TEXT, build_tokenizer
 from workers.evaluator.scoring import make_scorer
+from workers.models import encode_prompt
 from workers.rows import Row
 
 
@@ -95,6 +100,49 @@ def test_trl_settings_are_the_task_configs():
         peer.grpo_settings(resolve(task_config("arith", ["trainer.loss.advantage=rloo"])), 50, "out")
 
 
+def test_trl_settings_on_the_real_model_config_are_its_own(tmp_path):
+    args = build_parser().parse_args(["bench", "peer", "--model", str(tmp_path), "model.dtype=bfloat16"])
+    config = resolve(task_config(bench_task(args, "arith"), peer.shared_overrides(args, tmp_path / "runs")))
+    assert (config.data.task, config.data.template, config.model.path) == ("wordmath", "chat", str(tmp_path))
+    settings = peer.grpo_settings(config, 25, "out")
+    assert (settings["per_device_train_batch_size"], settings["num_generations"], settings["max_steps"]) == (16, 8, 80)
+    assert (settings["learning_rate"], settings["max_completion_length"], settings["temperature"]) == (1e-5, 160, 0.8)
+    assert (settings["loss_type"], settings["bf16"], config.max_wall_s) == ("grpo", True, 0.0)
+
+
+CHAT = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|a|>{% endif %}"
+
+
+def chat_tokenizer(path, appends_eos: bool = False):
+    """A character tokenizer with a chat template, saved and loaded back; `appends_eos`: its own call adds a special
+    token that the template's tokenization does not (as a Llama's BOS)."""
+    tokenizer = build_tokenizer(path, "0123456789+=<|>aersuy \n")
+    tokenizer.chat_template = CHAT
+    if appends_eos:
+        tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"$A {EOS_TEXT}", special_tokens=[(EOS_TEXT, tokenizer.eos_token_id)]
+        )
+    tokenizer.save_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+@pytest.mark.parametrize("template", ["raw", "chat"])
+def test_trl_is_given_the_text_that_tokenizes_to_the_rollouts_prompt_ids(tmp_path, template):
+    tokenizer = chat_tokenizer(tmp_path)
+    rows = [Row(0, "12+3=", "15", {}), Row(1, "40+9=", "49", {})]
+    texts = peer.rollout_prompts(tokenizer, rows, template, system_prompt="")
+    assert texts == (["12+3=", "40+9="] if template == "raw" else ["<|user|>12+3=\n<|a|>", "<|user|>40+9=\n<|a|>"])
+    ids = [tokenizer(text)["input_ids"] for text in texts]  # what TRL's GRPOTrainer does with a text prompt
+    assert ids == [encode_prompt(tokenizer, row.prompt, template) for row in rows]
+
+
+def test_a_prompt_text_that_tokenizes_to_other_ids_is_a_config_error(tmp_path):
+    tokenizer = chat_tokenizer(tmp_path, appends_eos=True)
+    assert peer.rollout_prompts(tokenizer, [Row(0, "12", "12", {})], "raw", system_prompt="") == ["12"]
+    with pytest.raises(ConfigError, match="row 0's chat prompt does not tokenize back to its ids"):
+        peer.rollout_prompts(tokenizer, [Row(0, "12", "12", {})], "chat", system_prompt="")
+
+
 def test_verifier_scores_by_row_and_counts_the_completion_tokens():
     rows = [Row(0, "12+3=", "15", {}), Row(1, "40+9=", "49", {})]
     verifier = peer.Verifier(rows, make_scorer("builtin", "arith"))
@@ -104,9 +152,13 @@ def test_verifier_scores_by_row_and_counts_the_completion_tokens():
     assert rewards == [1.0, 0.0] and verifier.tokens == 4
 
 
-def test_cli_defaults_to_arith():
+def test_cli_defaults_to_arith_and_model_to_the_real_model_config():
     args = build_parser().parse_args(["bench", "peer"])
-    assert (args.task, args.steps, args.seed, args.threads, args.out) == ("arith", None, 0, None, None)
+    assert (args.task, args.steps, args.seed, args.threads, args.out, args.model) == (None, None, 0, None, None, None)
+    assert bench_task(args, "arith") == "arith"
+    assert bench_task(build_parser().parse_args(["bench", "peer", "--model", "smollm2"]), "arith") == "smollm2-math"
+    given = build_parser().parse_args(["bench", "peer", "--model", "smollm2", "--task", "chain"])
+    assert bench_task(given, "arith") == "chain"
 
 
 def test_both_systems_run_the_peers_1200_steps_on_arith_else_the_task_configs_unless_told(tmp_path):
@@ -117,6 +169,11 @@ def test_both_systems_run_the_peers_1200_steps_on_arith_else_the_task_configs_un
     assert steps() == ["trainer.steps=1200"]  # arith.yaml's own 600 drop groups without advantage; TRL's do not
     assert steps("--task", "chain") == []  # chain.yaml's 200
     assert steps("--steps", "40") == steps("--task", "chain", "--steps", "40") == ["trainer.steps=40"]
+    assert steps("--model", "smollm2") == []  # smollm2-math.yaml's 80
+    real = peer.shared_overrides(
+        build_parser().parse_args(["bench", "peer", "--model", "m", "--eval-rows", "4"]), tmp_path
+    )
+    assert real[:3] == ["model.path=m", "eval.max_rows=4", "max_wall_s=0"]
 
 
 def test_too_many_threads_is_a_config_error():
@@ -150,10 +207,18 @@ def test_report_table_and_plot(tmp_path, capsys):
             "seed": 0,
             "cores": [0, 1],
             "eval_every": 20,
+            "eval_rows": 200,
+            "model": "runs/models/arith-seed0",
+            "dtype": "float32",
+            "template": "raw",
         },
     }
     peer.write(report, tmp_path / "peer.json")
     printed = capsys.readouterr().out
+    assert (
+        "held-out greedy accuracy every 20 steps on 200 held-out rows\nmodel runs/models/arith-seed0 in float32, raw"
+        in printed
+    )
     assert "time_to_peer_final_ratio: 0.5 (asyncrl reached the peer's final 40.0 % at 100.0 s" in printed
     assert "at or below the base" not in printed
     assert json.loads((tmp_path / "peer.json").read_text())["time_to_peer_final_ratio"] == 0.5

@@ -1,16 +1,22 @@
 """bench pipeline: the window (rates after warm-up, the trainer's busy share) from metrics lines, the configs
-of the three runs (the task's, default chain), the shared model, the cores per role and the table.
+of the three runs (the task's, default chain; --model's real-model config), the shared model, the cores per
+role, each run's model FLOPs utilisation and the table.
 
 Nothing runs a pipeline or builds a model here."""
 
 import argparse
+import json
 from pathlib import Path
 
-from pipeline.bench import cores_given, cores_line, task_config
+from pipeline.bench import bench_task, cores_given, cores_line, task_config, with_model
 from pipeline.bench.pipeline import (
     cpu_bound,
+    flops_line,
+    model_flops,
     out_path,
     rollout_bound,
+    rollout_utilisation,
+    run_settings,
     shared_model,
     straggler_bound,
     table,
@@ -19,6 +25,7 @@ from pipeline.bench.pipeline import (
 )
 from pipeline.cli import build_parser
 from pipeline.config import resolve
+from workers import flops
 
 
 def trainer(step: int, time: float, step_seconds: float) -> dict:
@@ -32,6 +39,8 @@ def trainer(step: int, time: float, step_seconds: float) -> dict:
         "interrupted_trajectories": step,
         "time_train": step_seconds / 2,
         "write_seconds": step / 1000,  # the version's file: 1 ms at step 1, ...
+        "fb_gflops": 10.0 * step,  # the trainer's own model FLOPs: 30 at step 3, 40 at step 4
+        **({"fb_mfu": 0.01 * step} if step != 4 else {}),  # a step without a ceiling has no fb_mfu
         **({"time_checkpoint": 1.0} if step == 4 else {}),  # every few steps only
     }
 
@@ -62,6 +71,7 @@ def test_window_rates_after_warm_up():
     assert rates["load_ms_per_version"] == 10.0  # 4 versions loaded in 40 ms over the window
     assert rates["engine_rows_per_step"] == 40.0  # 800 tokens in 20 steps
     assert rates["engine_busy"] == 0.4 and rates["engine_ms_per_token"] == 1.0  # 0.8 s of 2, for 800 tokens
+    assert rates["fb_gflops"] == 35.0 and rates["fb_mfu"] == 0.03  # means over steps 3 and 4, of those that have it
 
 
 def test_each_rollout_workers_counters_are_its_own():
@@ -97,7 +107,64 @@ def test_runs_without_weights_timings_report_none():
         del line["write_seconds"]
     rates = window_rates(lines, warmup_steps=1)
     assert rates["write_ms_per_version"] is None and rates["load_ms_per_version"] is None
+    assert rates["fb_gflops"] == 20.0 and rates["fb_mfu"] == 0.02  # step 2's
     assert rates["engine_rows_per_step"] is None and rates["engine_busy"] is None
+
+
+SHAPE = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "vocab_size": 100,
+}
+# N = 2 layers x (q, k, v, o: 64 x 16 x 16 + gate, up, down: 3 x 64 x 128) + the LM head 64 x 100 = 88,320
+
+
+def rollout(worker: str, time: float, tokens: int) -> dict:
+    return {"source": "rollout", "worker": worker, "time": time, "generated_tokens": tokens}
+
+
+def test_rollout_model_flops_are_2n_per_generated_token_over_each_workers_time():
+    lines = [rollout("a", 1.0, 1000), rollout("b", 2.0, 7), rollout("a", 3.0, 501_000), rollout("b", 3.0, 100_007)]
+    # a: 250,000 tok/s x 176,640 FLOPs = 44.16 GFLOP/s; b: 100,000 tok/s = 17.664; over 100 GFLOP/s x 2 cores
+    assert rollout_utilisation(lines, SHAPE, ceiling=100.0, cores=2) == {
+        "rollout_gflops": 61.824,
+        "rollout_mfu": 0.3091,
+    }
+    assert rollout_utilisation(lines, SHAPE, ceiling=0.0, cores=2) == {"rollout_gflops": 61.824, "rollout_mfu": None}
+    unmeasured = {"rollout_gflops": None, "rollout_mfu": None}
+    assert rollout_utilisation(lines, None, ceiling=100.0, cores=2) == unmeasured  # a model flops cannot count
+    assert rollout_utilisation(lines[:2], SHAPE, ceiling=100.0, cores=2) == unmeasured  # one line per worker
+
+
+def test_the_flops_line_names_n_and_the_ceiling_in_the_runs_dtype():
+    model = {
+        "dtype": "bfloat16",
+        "ceiling_gflops_per_core": 1013.2,
+        "cpu_model": "Intel Xeon",
+        "matmul_parameters": 88_320,
+    }
+    assert flops_line(model) == (
+        "model FLOPs: N = 88,320 matmul parameters; ceiling 1,013.2 GFLOP/s per core in bfloat16 (one thread, "
+        "a 512x1024 by 1024x1024 product; Intel Xeon)"
+    )
+    on_gpu = {**model, "ceiling_gflops_per_core": 0.0, "matmul_parameters": None}
+    assert flops_line(on_gpu) == "model FLOPs: not counted; no ceiling measured (bfloat16 off a CPU): no MFU"
+
+
+def test_model_flops_count_the_models_config_and_probe_no_ceiling_off_a_cpu(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(SHAPE))
+    config = with_model(task_config("arith", ["model.device=cuda", "model.dtype=bfloat16"]), str(tmp_path))
+    assert model_flops(config) == {
+        "dtype": "bfloat16",
+        "ceiling_gflops_per_core": 0.0,
+        "cpu_model": flops.cpu_model(),
+        "matmul_parameters": 88_320,
+        "shape": SHAPE,
+    }
+    (tmp_path / "config.json").write_text(json.dumps({"n_embd": 64}))  # a GPT-2's names: not counted
+    assert model_flops(config)["matmul_parameters"] is None and model_flops(config)["shape"] is None
 
 
 def args_for(*argv: str) -> argparse.Namespace:
@@ -107,7 +174,7 @@ def args_for(*argv: str) -> argparse.Namespace:
 def test_the_task_defaults_to_chain_with_its_own_output_length():
     args = args_for()
     configs, max_new_tokens = variant_configs(args)
-    assert args.task == "chain" and list(configs) == ["sync", "async", "async_no_interrupt"]
+    assert bench_task(args, "chain") == "chain" and list(configs) == ["sync", "async", "async_no_interrupt"]
     assert max_new_tokens == resolve(task_config("chain", [])).rollout.max_new_tokens  # chain.yaml's, else 288
     assert {(c.data.task, c.rollout.max_new_tokens) for c in configs.values()} == {("chain", max_new_tokens)}
     assert out_path(args) == Path("runs/bench/pipeline-chain.json")
@@ -133,6 +200,40 @@ def test_each_variant_is_the_tasks_config_with_the_bench_settings_and_its_own(tm
         assert (c.trainer.batch_groups, c.data.n_samples, c.eval.every, c.rollout.max_batch) == (8, 8, 0, 16)
     given, _ = variant_configs(args_for("--task", "arith", "--max-new-tokens", "50"))
     assert {c.rollout.max_new_tokens for c in given.values()} == {50}
+
+
+def test_model_runs_the_real_model_config_with_its_own_batch_lr_and_sampling(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    (cache / "smollm2").mkdir(parents=True)
+    (cache / "smollm2" / "asyncrl-import.json").write_text("{}")  # an imported model, as `model import` leaves it
+    monkeypatch.setenv("ASYNCRL_MODEL_CACHE", str(cache))
+    args = args_for("--model", "smollm2", "--steps", "3", "--eval-rows", "4")
+    configs, max_new_tokens = variant_configs(args)
+    assert out_path(args) == Path("runs/bench/pipeline-smollm2-math.json") and max_new_tokens == 160
+    for c in configs.values():
+        assert (c.data.task, c.data.template, c.model.path, c.trainer.steps, c.eval.max_rows) == (
+            "wordmath",
+            "chat",
+            "smollm2",
+            3,
+            4,
+        )
+        assert (c.trainer.batch_groups, c.data.n_samples, c.trainer.optim.lr, c.rollout.temperature) == (
+            2,
+            8,
+            1e-5,
+            0.8,
+        )
+        assert (c.trainer.loss.aggregation, c.max_wall_s, c.eval.every) == ("seq_mean", 0.0, 0)
+    assert resolve(configs["sync"]).model.path == str(cache / "smollm2")
+    assert shared_model(configs, progress=False) == configs  # no demo model is built
+    settings = run_settings(args, configs["async"], max_new_tokens)
+    assert (settings["steps"], settings["batch_groups"], settings["n_samples"], settings["lr"]) == (3, 2, 8, 1e-5)
+    assert (settings["task_config"], settings["template"]) == ("smollm2-math", "chat")
+    assert settings["model"] == "smollm2, given by --model, shared by the three runs"
+    given, _ = variant_configs(args_for("--model", str(tmp_path), "--batch-groups", "4", "--lr", "2e-6"))
+    c = given["async"]
+    assert (c.model.path, c.trainer.steps, c.trainer.batch_groups, c.trainer.optim.lr) == (str(tmp_path), 80, 4, 2e-6)
 
 
 def test_one_demo_model_for_the_task_and_seed_serves_the_three_runs(monkeypatch):
@@ -235,6 +336,10 @@ def test_the_table_names_the_task_and_the_cores_given_and_used():
         "engine_rows_per_step": 41.5,
         "engine_busy": 0.82,
         "engine_ms_per_token": 0.25,
+        "rollout_gflops": 12.3456,
+        "rollout_mfu": 0.0122,
+        "fb_gflops": 45.6,
+        "fb_mfu": None,
     }
     settings = {"task": "chain", "steps": 60, "batch_groups": 8, "n_samples": 8, "max_new_tokens": 288}
     report = {
@@ -245,6 +350,12 @@ def test_the_table_names_the_task_and_the_cores_given_and_used():
             "core_seconds_per_step": {"async": 3.46},
             "async_ceiling_steps_per_s": 0.578,
             "async_ceiling_over_sync": 2.89,
+        },
+        "model_flops": {
+            "dtype": "float32",
+            "ceiling_gflops_per_core": 150.0,
+            "cpu_model": "",
+            "matmul_parameters": 88_320,
         },
         "async_over_sync": 2.2834,
         "interrupt_on_over_off": 0.98,
@@ -269,6 +380,11 @@ def test_the_table_names_the_task_and_the_cores_given_and_used():
         "  async: 11.4 | 9.87",
         "rollout engines: rows per step | share of the workers' time in steps | ms per token",
         "  async: 41.5 | 0.82 | 0.25",
+        "model FLOPs: N = 88,320 matmul parameters; ceiling 150.0 GFLOP/s per core in float32 (one thread, "
+        "a 512x1024 by 1024x1024 product; CPU model unknown)",
+        "  rollout: 2N a generated token over the window, MFU over its 1 core(s); trainer: its forwards' and "
+        "backwards' fb_gflops and fb_mfu, means over the measured steps",
+        "  async: rollout 12.35 GFLOP/s (MFU 1.22%), trainer 45.60 GFLOP/s",
         "async/sync effective training throughput: 2.28x",
         "interruption on/off generation throughput: 0.98x (training throughput 0.98x)",
     ]
