@@ -237,8 +237,43 @@ def add_weights_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/bench/weights.json", help="JSON results file (default: %(default)s)")
 
 
+def add_head_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default="smollm2",
+        help="a Hugging Face model directory or an imported model's name (default: %(default)s, SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=[1024, 2750],
+        help="packed positions of each micro-batch measured, about (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="rounds of one timed pass per method, after a warm-up pass of each (default: %(default)s)",
+    )
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    parser.add_argument("--out", default="runs/bench/head.json", help="JSON results file (default: %(default)s)")
+
+
 KINDS = [  # (name, its options, add_parser's help and description), in the order `asyncrl bench --help` lists them
     ("generate", add_generate_options, dict(help="engine tokens/s vs Hugging Face generate at equal concurrency")),
+    (
+        "head",
+        add_head_options,
+        dict(
+            help="trainer forward+backward on a real model: full-vocabulary log-softmax vs the chunked head",
+            description="One packed micro-batch of --model per --tokens, shaped as smollm2-math trains (2 groups of "
+            "8 completions after a shared prompt), forward and backward as the trainer runs them (autocast at "
+            "model.dtype=auto's dtype) with the LM head's log-softmax over every position's full vocabulary, and "
+            "with the trainer's head over completion positions in checkpointed chunks; each in a fresh process. "
+            "Reports seconds, peak resident memory and fb_mfu.",
+        ),
+    ),
     (
         "microbatch",
         add_microbatch_options,

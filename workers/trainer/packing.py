@@ -52,15 +52,6 @@ class Packed:
     targets: torch.Tensor  # [N, T-1] that next token
     valid: torch.Tensor  # [N, T-1] True where the padded position predicts a token of its own sequence
 
-    def unpack(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-position values of the packed row, [L] or [L-1] -> [N, T-1] (each padded position's predictor's
-        value), 0 elsewhere."""
-        return torch.where(self.valid, values[self.index], 0.0)  # [N, T-1]
-
-    def chosen(self, logp: torch.Tensor) -> torch.Tensor:
-        """log pi of each padded position's next token from the packed row's log-softmax [L, V]: [N, T-1]."""
-        return torch.where(self.valid, logp[self.index, self.targets], 0.0)  # [N, T-1]
-
     def model_inputs(self) -> dict:
         """Keyword arguments of a Hugging Face causal LM set to `PACKED_ATTENTION` (see `use_packed_attention`)."""
         return dict(

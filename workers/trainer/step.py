@@ -11,15 +11,17 @@ in `distributed.py`; the advantages come in already computed.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from workers.trainer.distributed import ONE_PROCESS, Collective, balance_rows, clip_gradients
 from workers.trainer.losses import LossSettings, batch_totals, decoupled_ppo_loss, m2po_cutoff, second_moments
@@ -62,6 +64,12 @@ class TrainBatch:
         """The row indices of each micro-batch `split` makes from the sequence lengths (prompt + completion)."""
         lengths = self.attention_mask.sum(-1).tolist()
         return [torch.tensor(rows, device=self.input_ids.device) for rows in split(lengths)]
+
+    def completion_positions(self) -> torch.Tensor:
+        """[N, T-1] True where the predicted token t+1 is one of the row's completion tokens."""
+        offsets = torch.arange(self.loss_mask.shape[1], device=self.input_ids.device)  # [T-1]
+        starts = self.prompt_lengths - 1  # [N] the logits at len(prompt) - 1 predict completion[0]
+        return (offsets[None, :] >= starts[:, None]) & self.attention_mask[:, 1:].bool()  # [N, T-1]
 
 
 def collate(
@@ -110,22 +118,89 @@ def packed_logprobs(
     model: torch.nn.Module, batch: TrainBatch, temperature: float, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
     """log pi(token t+1 | tokens <= t) at the sampling temperature and the entropy of that
-    next-token distribution (no grad), [N, T-1] each, from one forward pass over the rows packed into one
-    (rows with the same prompt share it), computed in `dtype` (autocast) up to the logits; the softmax is float32.
-    Third: the pass's work for its model FLOPs (`workers.flops`), its packed positions and the sum of their
-    context lengths (a shared prompt's positions once, a completion's going on from its prompt)."""
+    next-token distribution (no grad), [N, T-1] each, where token t+1 is a completion token (0 elsewhere: only
+    those enter the loss), from one forward pass over the rows packed into one (rows with the same prompt share
+    it), computed in `dtype` (autocast) up to the logits; the softmax is float32. The LM head runs only on the
+    packed positions that predict a completion token (`completion_head`). Third: the pass's work for its model
+    FLOPs (`workers.flops`), its packed positions and the sum of their context lengths (a shared prompt's
+    positions once, a completion's going on from its prompt)."""
     use_packed_attention(model)
     packed = pack(batch.input_ids, batch.attention_mask, batch.prompt_lengths)
-    with autocast(batch.input_ids.device, dtype):
-        logits = model(**packed.model_inputs()).logits[0]  # [L, V]
-    logits = logits.float()  # [L, V]; the same tensor when float32, else the temperature divides in float32
-    if temperature > 0:
-        logits = logits / temperature
-    logp = torch.log_softmax(logits.float(), dim=-1)  # [L, V]
-    with torch.no_grad():
-        entropy = -(logp.exp() * logp).sum(-1)  # [L]
+    predicting = batch.completion_positions()  # [N, T-1]
+    rows, pairs = packed.index[predicting].unique(return_inverse=True)  # [P] packed positions, [K] their row
+    head = model.get_output_embeddings()
+    replaced = completion_head(head.forward, rows, pairs, packed.targets[predicting], temperature)
+    with autocast(batch.input_ids.device, dtype), swapped_forward(head, replaced):
+        logp, entropy = model(**packed.model_inputs()).logits  # [K] each
     positions = packed.position_ids.shape[1]
-    return packed.chosen(logp), packed.unpack(entropy), (positions, int(packed.position_ids.sum()) + positions)
+    work = (positions, int(packed.position_ids.sum()) + positions)
+    return scattered(predicting, logp), scattered(predicting, entropy), work
+
+
+def scattered(where: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`values` ([K], row-major order of `where`) at the True places of `where`, 0 elsewhere; with their grad."""
+    return torch.zeros(where.shape, dtype=values.dtype, device=values.device).masked_scatter(where, values)
+
+
+@contextlib.contextmanager
+def swapped_forward(module: torch.nn.Module, forward: Callable) -> Iterator[None]:
+    """`module` runs `forward` for a while. The model's own forward still calls it, so wrappers around the
+    model (FSDP2 gathering the root's weights, PEFT) do what they always do. A forward set on the instance
+    itself (a hook library's) comes back after."""
+    own, previous = "forward" in vars(module), module.forward
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if own:
+            module.forward = previous
+        else:
+            del module.forward
+
+
+HEAD_ROWS = 256  # packed positions per checkpointed LM-head chunk: its [rows, V] float32 logits exist only inside
+
+
+def completion_head(
+    head: Callable, rows: torch.Tensor, pairs: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """An LM head's forward for `packed_logprobs`: from the final hidden states [1, L, H], the log pi of each
+    target [K] (`targets`, predicted at `rows[pairs]`) and the entropy there [K]. Only the `rows` go through
+    `head`, HEAD_ROWS at a time under activation checkpointing, so no [L, V] or [HEAD_ROWS, V] tensor is kept
+    for backward: each chunk's logits are computed again in the backward pass."""
+    order = pairs.argsort(stable=True)  # [K] the targets by row
+    edges = torch.arange(max(1, -(-len(rows) // HEAD_ROWS)) + 1, device=rows.device) * HEAD_ROWS  # [C+1]
+    bounds = torch.searchsorted(pairs[order], edges).tolist()  # chunk c's targets: sorted bounds[c]..bounds[c+1]-1
+
+    def forward(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        selected, grad = hidden[0, rows], torch.is_grad_enabled()  # [P, H]
+        parts = []
+        for chunk, (start, end) in enumerate(itertools.pairwise(bounds)):  # at least one: the outputs stay on the graph
+            first, mine = chunk * HEAD_ROWS, order[start:end]  # [k]
+            args = (head, selected[first : first + HEAD_ROWS], pairs[mine] - first, targets[mine], temperature)
+            parts.append(checkpoint(chunk_logprobs, *args, use_reentrant=False) if grad else chunk_logprobs(*args))
+        logp, entropy = (torch.cat(values) for values in zip(*parts, strict=True))  # [K] each, by row
+        restore = order.argsort()  # [K]
+        return logp[restore], entropy[restore]
+
+    return forward
+
+
+def chunk_logprobs(
+    head: Callable, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi of `targets` [k] predicted at `rows` of the hidden states [c, H] at the sampling temperature, and
+    the entropy there (no grad) [k]: the head under the caller's autocast, the softmax in float32. The entropy
+    comes last: the backward pass's recomputation stops at the last tensor it needs (checkpoint's early stop)."""
+    logits = head(hidden).float()  # [c, V]; the temperature divides in float32
+    with torch.autocast(hidden.device.type, enabled=False):
+        if temperature > 0:
+            logits = logits / temperature
+        logp = torch.log_softmax(logits, dim=-1)  # [c, V]
+        chosen = logp[rows, targets]  # [k]
+        with torch.no_grad():
+            entropy = -(logp.exp() * logp).sum(-1)  # [c]
+    return chosen, entropy[rows]
 
 
 def token_logprobs(
