@@ -222,12 +222,17 @@ def add_microbatch_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_weights_options(parser: argparse.ArgumentParser) -> None:
+def add_smollm2_model_option(parser: argparse.ArgumentParser) -> None:
+    """--model for the benchmarks that only make sense on a real model: SmolLM2 unless told otherwise."""
     parser.add_argument(
         "--model",
         default="smollm2",
         help="a Hugging Face model directory or an imported model's name (default: %(default)s, SmolLM2-135M-Instruct)",
     )
+
+
+def add_weights_options(parser: argparse.ArgumentParser) -> None:
+    add_smollm2_model_option(parser)
     parser.add_argument("--lr", type=float, default=5e-6, help="AdamW's learning rate (default: %(default)s)")
     parser.add_argument("--sequences", type=int, default=4, help="random-token sequences (default: %(default)s)")
     parser.add_argument("--length", type=int, default=64, help="tokens per sequence (default: %(default)s)")
@@ -238,11 +243,7 @@ def add_weights_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_head_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default="smollm2",
-        help="a Hugging Face model directory or an imported model's name (default: %(default)s, SmolLM2-135M-Instruct)",
-    )
+    add_smollm2_model_option(parser)
     parser.add_argument(
         "--tokens",
         type=int,
