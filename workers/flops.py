@@ -121,3 +121,23 @@ def step_utilisation(
     done = train_flops(config, *work) + (forward_flops(config, *work) if reference else 0.0)
     achieved = gflops(done, seconds)
     return {"fb_gflops": round(achieved, 3), **({"fb_mfu": round(mfu(achieved, ceiling, cores), 4)} if ceiling else {})}
+
+
+CUDA_PEAK_SIZE = 8192  # a square product this large keeps a datacenter GPU's tensor cores busy for milliseconds
+
+
+def probe_cuda_peak(dtype: torch.dtype, device: str = "cuda", repeats: int = 20) -> float:
+    """GFLOP/s of the GPU on an [8192, 8192] x [8192, 8192] product in `dtype`, best of `repeats` timed by CUDA
+    events: the measured peak a GPU run's MFU is over (a CPU probe's small shapes would say nothing of it)."""
+    a = torch.randn(CUDA_PEAK_SIZE, CUDA_PEAK_SIZE, device=device, dtype=dtype)  # [S, S]
+    b = torch.randn(CUDA_PEAK_SIZE, CUDA_PEAK_SIZE, device=device, dtype=dtype)  # [S, S]
+    torch.mm(a, b)  # first call: kernel choice
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.mm(a, b)  # [S, S]
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000)
+    return round(gflops(2 * CUDA_PEAK_SIZE**3, best), 1)

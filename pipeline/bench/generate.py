@@ -343,17 +343,28 @@ def engine_flops(config: dict, prompts: list[list[int]], results: dict) -> dict:
     return out
 
 
+def measured_ceiling(dtype: torch.dtype, device: str) -> dict:
+    """What MFU is over: one CPU thread's probe (`flops.probe_ceiling`), or on a GPU its measured peak on a large
+    square product (`flops.probe_cuda_peak`; a decode-shaped product there measures launches, not the chip)."""
+    if device == "cpu":
+        return {**flops.probe_ceiling(dtype), "probe": "one thread, 512x1024 by 1024x1024; decode: 32 rows"}
+    peak = flops.probe_cuda_peak(dtype, device)
+    return {"prefill": peak, "decode": peak, "probe": f"the GPU, {flops.CUDA_PEAK_SIZE} square"}
+
+
 def utilisation(model, prompts: list[list[int]], results: dict, s: Settings) -> dict:
     """The run's own one-thread ceiling in the model's dtype, and each system's GFLOP/s and MFU against it
     (the ceiling times the threads)."""
-    ceiling = flops.probe_ceiling(model.dtype, device=s.device)
+    ceiling = measured_ceiling(model.dtype, s.device)
     achieved = engine_flops(model.config.to_dict(), prompts, results)
     cores = s.threads if s.device == "cpu" else 1
     return {
         "ceiling_gflops_per_core": ceiling["prefill"],
         "ceiling_decode_shape_gflops_per_core": ceiling["decode"],
+        "ceiling_probe": ceiling["probe"],
         "dtype": str(model.dtype).removeprefix("torch."),
         "cpu_model": flops.cpu_model(),
+        "gpu": torch.cuda.get_device_name(s.device) if s.device != "cpu" else None,
         "native_bf16": native_bf16_cpu(),
         "matmul_parameters": flops.matmul_parameters(model.config.to_dict()),
         "scenarios": {
@@ -479,9 +490,12 @@ def table(report: dict) -> str:
 def utilisation_lines(report: dict) -> list[str]:
     used, threads = report["utilisation"], report["settings"]["threads"]
     lines = [
-        f"ceiling: {used['ceiling_gflops_per_core']:.1f} GFLOP/s per core in {used['dtype']} (one thread, 512x1024 "
-        f"by 1024x1024; {used['ceiling_decode_shape_gflops_per_core']:.1f} at 32 rows) on "
-        f"{used['cpu_model'] or 'an unnamed CPU'}, native bfloat16: {'yes' if used['native_bf16'] else 'no'}"
+        f"ceiling: {used['ceiling_gflops_per_core']:.1f} GFLOP/s in {used['dtype']} ({used['ceiling_probe']}, "
+        f"{used['ceiling_decode_shape_gflops_per_core']:.1f} at decode shape) on "
+        + (
+            used["gpu"]
+            or f"{used['cpu_model'] or 'an unnamed CPU'}, native bfloat16: {'yes' if used['native_bf16'] else 'no'}"
+        )
     ]
     for name, r in used["scenarios"].items():
         lines.append(

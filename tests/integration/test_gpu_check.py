@@ -55,7 +55,7 @@ def test_it_starts_without_the_pipelines_dependencies(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.long  # ~2 min on 2 cores: `make chaos` and `make gpu-rehearsal`, not `make test`
-def test_the_rehearsal_runs_every_check_on_the_cpu(tmp_path):
+def test_the_rehearsal_runs_every_check_on_the_cpu(smollm2_cache, tmp_path):
     """`asyncrl gpu-check --rehearse`: the GPU check's own commands, end to end on the CPU at toy sizes (~2 min on
     2 cores): a check that would fail on a lent GPU (an option renamed since, a module moved) fails here first."""
     out = tmp_path / "rehearsal.json"
@@ -80,4 +80,5 @@ def test_the_rehearsal_runs_every_check_on_the_cpu(tmp_path):
     data = {name: row["data"] for name, row in rows.items()}
     assert data["generate-bf16"]["speedup_vs_hf"] > 0 and data["pipeline-100m"]["async_over_sync"] > 0
     assert data["nccl-2-ranks"]["naive, whole batch"]["weights"] <= gpu.RANKS_TOLERANCE
+    assert data["real-generate"]["engine_mfu"] > 0 and data["real-pipeline"]["async_over_sync"] > 0
     assert (tmp_path / "rehearsal" / "gpu-generate.json").exists()  # its files beside the report, in their folder

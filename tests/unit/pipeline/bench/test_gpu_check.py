@@ -136,3 +136,31 @@ def test_flex_attention_computes_the_trainers_packed_logprobs():
 def test_packed_attention_on_cuda_matches_the_cpu_path(tmp_path):
     outcome = gpu.packed_check(gpu.ON_GPU, tmp_path)
     assert outcome.status == gpu.OK, outcome.detail
+
+
+def test_the_coin_reward_mixes_every_group_by_the_completions_text():
+    """Exact values of a hash bit: the same text always scores the same, and about half of all texts score 1."""
+    assert [gpu.coin_reward("", text, {}) for text in ("The answer is 4.", "x", "", "12")] == [1.0, 1.0, 0.0, 1.0]
+    assert sum(gpu.coin_reward("", f"completion {i}", {}) for i in range(1000)) == 496.0
+
+
+def test_the_real_architecture_is_smollm2s_config_and_tokenizer_with_random_weights(smollm2_cache, tmp_path):
+    import torch
+    import transformers
+
+    from pipeline.model_cache import cached_model
+
+    changes = gpu.REHEARSAL.real_model
+    parameters = gpu.build_real_architecture(tmp_path / "model", changes)
+    real = json.loads((cached_model(gpu.REAL_MODEL) / "config.json").read_text())
+    built = json.loads((tmp_path / "model" / "config.json").read_text())
+    kept = [key for key in real if key not in changes and key not in ("dtype", "torch_dtype")]
+    assert {key: built[key] for key in kept} == {key: real[key] for key in kept}
+    assert {key: built[key] for key in changes} == changes
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    assert model.dtype == torch.bfloat16
+    assert sum(p.numel() for p in model.parameters()) == parameters
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "model")
+    assert len(tokenizer) == real["vocab_size"]
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "2+2?"}], tokenize=False)
+    assert "<|im_start|>user\n2+2?<|im_end|>" in chat
