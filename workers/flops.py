@@ -5,18 +5,20 @@ Model FLOPs of one token's forward pass at context length c (the token itself an
 
     2·N + 2·2·layers·c·width
 
-N: the parameters of the matrix products, the LM head included (tied to the embedding or not, it is a
-matmul) and the embedding lookup left out (a gather), norms and biases too (no matmul); each weight is one
-multiply and one add per token. width: the attention's query width (heads × head dim); per layer QK^T and
-AV each take c·width multiply-adds. Training a token costs three forwards (the backward: two, gradients of
-the activations and of the weights): 6·N + 12·layers·c·width. The FLOPs are the model's, not the
-kernels': padding, recomputation and masked work a kernel does count for nothing.
+N: the parameters of the matrix products: the body's (the layers' projections) and the LM head's (hidden ×
+vocab, tied to the embedding or not, it is a matmul), the embedding lookup left out (a gather), norms and
+biases too (no matmul); each weight is one multiply and one add per token. width: the attention's query width
+(heads × head dim); per layer QK^T and AV each take c·width multiply-adds. A forward that runs the head at only
+some positions (the trainer's: at those predicting a completion token) counts the head's 2·hidden·vocab at
+those alone. Training a token costs three forwards (the backward: two, gradients of the activations and of the
+weights): 6·N + 12·layers·c·width. The FLOPs are the model's, not the kernels': padding, recomputation (the
+trainer's checkpointed head) and masked work a kernel does count for nothing.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -29,26 +31,38 @@ def attention_width(config: Mapping) -> int:
     return heads * (config.get("head_dim") or config["hidden_size"] // heads)
 
 
-def matmul_parameters(config: Mapping) -> int:
-    """N of a decoder-only transformer with a gated MLP (Llama, Qwen2, Mistral; `hidden_act` silu or gelu, three
-    projections), from its config.json: per layer q, k, v, o and gate, up, down; then the LM head."""
+def body_parameters(config: Mapping) -> int:
+    """The body's share of N for a decoder-only transformer with a gated MLP (Llama, Qwen2, Mistral; `hidden_act`
+    silu or gelu, three projections), from its config.json: per layer q, k, v, o and gate, up, down."""
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // heads
     kv = config.get("num_key_value_heads") or heads
     attention = hidden * head_dim * (2 * heads + 2 * kv)  # q and o: heads; k and v: kv heads
     mlp = 3 * hidden * config["intermediate_size"]
-    return config["num_hidden_layers"] * (attention + mlp) + hidden * config["vocab_size"]
+    return config["num_hidden_layers"] * (attention + mlp)
 
 
-def forward_flops(config: Mapping, positions: int, context_sum: int) -> float:
-    """Model FLOPs of a forward over `positions` tokens whose context lengths sum to `context_sum`."""
+def head_parameters(config: Mapping) -> int:
+    """The LM head's share of N: hidden × vocab, counted once whether or not it is tied to the embedding."""
+    return config["hidden_size"] * config["vocab_size"]
+
+
+def matmul_parameters(config: Mapping) -> int:
+    """N: the body's and the LM head's."""
+    return body_parameters(config) + head_parameters(config)
+
+
+def forward_flops(config: Mapping, positions: int, context_sum: int, head_positions: int | None = None) -> float:
+    """Model FLOPs of a forward over `positions` tokens whose context lengths sum to `context_sum`, with the LM
+    head at `head_positions` of them (None: at every one)."""
+    heads = positions if head_positions is None else head_positions
     attention = 4 * config["num_hidden_layers"] * attention_width(config) * context_sum
-    return 2 * matmul_parameters(config) * positions + attention
+    return 2 * (body_parameters(config) * positions + head_parameters(config) * heads) + attention
 
 
-def train_flops(config: Mapping, positions: int, context_sum: int) -> float:
-    """Forward and backward: three forwards' worth."""
-    return 3 * forward_flops(config, positions, context_sum)
+def train_flops(config: Mapping, positions: int, context_sum: int, head_positions: int | None = None) -> float:
+    """Forward and backward: three forwards' worth (a recomputed head counts once)."""
+    return 3 * forward_flops(config, positions, context_sum, head_positions)
 
 
 def generate_flops(config: Mapping, prompt: int, new_tokens: int) -> float:
@@ -76,32 +90,65 @@ def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
         return ""
 
 
-def probe_ceiling(dtype: torch.dtype, seconds: float = 0.5, device: str = "cpu") -> dict[str, float]:
-    """GFLOP/s of one thread on a [rows, 1024] x [1024, 1024] product in `dtype`, best of the repeats that fit in
-    `seconds` (split between the shapes): 'prefill' at 512 rows (the machine's ceiling), 'decode' at 32. Runs
-    on one thread and restores the process's thread count after."""
+PROBE_BURSTS = 5  # rounds of both shapes: each shape's timings spread over the whole probe
+
+
+def probe_ceiling(
+    dtype: torch.dtype, seconds: float = 1.0, device: str = "cpu", bursts: int = PROBE_BURSTS
+) -> dict[str, float]:
+    """GFLOP/s of one thread on a [rows, 1024] x [1024, 1024] product in `dtype`: 'prefill' at 512 rows (the
+    machine's ceiling), 'decode' at 32; each its fastest product in `bursts` short bursts taking turns over
+    `seconds` (`fastest_runs`), so that other work busy on the machine for part of the probe does not set it.
+    Runs on one thread and restores the process's thread count after."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return {
-            name: best_gflops(rows, dtype, seconds / len(PROBE_SHAPES), device) for name, rows in PROBE_SHAPES.items()
-        }
+        products = {name: matmul_product(rows, dtype, device) for name, rows in PROBE_SHAPES.items()}
+        fastest = fastest_runs(products, seconds / (bursts * len(products)), bursts)
     finally:
         torch.set_num_threads(threads)
+    return {name: product_gflops(PROBE_SHAPES[name], fastest[name]) for name in PROBE_SHAPES}
 
 
-def best_gflops(rows: int, dtype: torch.dtype, seconds: float, device: str) -> float:
+def matmul_product(rows: int, dtype: torch.dtype, device: str) -> Callable[[], None]:
+    """One [rows, 1024] x [1024, 1024] product in `dtype` to time, run once already (allocation, kernel choice)."""
     a = torch.randn(rows, PROBE_WIDTH, device=device).to(dtype)  # [rows, 1024]
     b = torch.randn(PROBE_WIDTH, PROBE_WIDTH, device=device).to(dtype)  # [1024, 1024]
-    torch.mm(a, b)  # first call: allocation, kernel choice
-    best, end = float("inf"), time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        start = time.perf_counter()
+
+    def product() -> None:
         torch.mm(a, b)  # [rows, 1024]
         if device != "cpu":
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return round(gflops(2 * rows * PROBE_WIDTH * PROBE_WIDTH, best), 1) if best < float("inf") else 0.0
+
+    product()
+    return product
+
+
+def fastest_runs(
+    runs: Mapping[str, Callable[[], None]],
+    burst_s: float,
+    bursts: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, float]:
+    """Each run's fastest single call in seconds (inf with no bursts), over `bursts` rounds in which each in turn
+    is called back to back for `burst_s` (at least once)."""
+    fastest = dict.fromkeys(runs, float("inf"))
+    for _ in range(bursts):
+        for name, run in runs.items():
+            end = clock() + burst_s
+            while True:
+                start = clock()
+                run()
+                now = clock()
+                fastest[name] = min(fastest[name], now - start)
+                if now >= end:
+                    break
+    return fastest
+
+
+def product_gflops(rows: int, seconds: float) -> float:
+    """GFLOP/s of one [rows, 1024] x [1024, 1024] product in `seconds` (0 where it never ran)."""
+    return round(gflops(2 * rows * PROBE_WIDTH * PROBE_WIDTH, seconds), 1) if seconds < float("inf") else 0.0
 
 
 REQUIRED = ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers", "vocab_size")
@@ -113,14 +160,16 @@ def counts(config: Mapping) -> bool:
 
 
 def step_utilisation(
-    config: Mapping, work: tuple[int, int], seconds: float, ceiling: float, cores: int, reference: bool = False
+    config: Mapping, work: tuple[int, int, int], seconds: float, ceiling: float, cores: int, reference: bool = False
 ) -> dict[str, float]:
     """A training step's `fb_gflops` (model FLOPs of its forwards and backwards, `work` = (packed positions, sum
-    of their contexts), over their `seconds`; a KL reference model's forwards add one forward's worth) and
-    `fb_mfu` (over `ceiling` GFLOP/s per core × `cores`; left out with no ceiling measured)."""
+    of their contexts, positions through the LM head), over their `seconds`; a KL reference model's forwards add
+    one forward's worth) and, with a ceiling measured, `fb_mfu` (over `ceiling` GFLOP/s per core × `cores`) and
+    the ceiling itself (`fb_ceiling_gflops_per_core`)."""
     done = train_flops(config, *work) + (forward_flops(config, *work) if reference else 0.0)
     achieved = gflops(done, seconds)
-    return {"fb_gflops": round(achieved, 3), **({"fb_mfu": round(mfu(achieved, ceiling, cores), 4)} if ceiling else {})}
+    measured = {"fb_mfu": round(mfu(achieved, ceiling, cores), 4), "fb_ceiling_gflops_per_core": ceiling}
+    return {"fb_gflops": round(achieved, 3), **(measured if ceiling else {})}
 
 
 CUDA_PEAK_SIZE = 8192  # a square product this large keeps a datacenter GPU's tensor cores busy for milliseconds

@@ -15,7 +15,7 @@ pass above the resident set before it (`bench microbatch`'s measure, under its M
 one process for both: a warm-up pass of each, then --repeats rounds of one pass of each, alternating, so other
 work on the machine weighs on both alike; wall and CPU seconds, medians. `fb_mfu` is the trainer's
 (`workers.flops.step_utilisation`, over the wall median) against one ceiling probe made before the runs: both
-methods are charged the same model FLOPs.
+methods are charged the same model FLOPs, the head's at the positions that predict a completion token only.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def micro_batch(tokens: int, vocab: int, seed: int = 0) -> step.TrainBatch:
 
 
 def full_vocabulary_logprobs(model, batch, temperature, dtype=torch.float32):
-    """The `full` method: `packed_logprobs` with the head and a float32 log-softmax over every packed position."""
+    """The `full` method: `packed_logprobs` with the head and a float32 log-softmax over every packed position;
+    its work is `packed_logprobs`'s (the head's model FLOPs at the positions that predict a completion token)."""
     use_packed_attention(model)
     packed = pack(batch.input_ids, batch.attention_mask, batch.prompt_lengths)
     with step.autocast(batch.input_ids.device, dtype):
@@ -77,11 +78,11 @@ def full_vocabulary_logprobs(model, batch, temperature, dtype=torch.float32):
         entropy = -(logp.exp() * logp).sum(-1)  # [L]
     where = batch.completion_positions()  # [N, T-1]
     chosen = torch.where(where, logp[packed.index, packed.targets], 0.0)  # [N, T-1]
-    positions = packed.position_ids.shape[1]
+    positions, predicting = packed.position_ids.shape[1], len(packed.index[where].unique())
     return (
         chosen,
         torch.where(where, entropy[packed.index], 0.0),
-        (positions, int(packed.position_ids.sum()) + positions),
+        (positions, int(packed.position_ids.sum()) + positions, predicting),
     )
 
 
@@ -119,8 +120,7 @@ def measure_memory(given: dict) -> dict:
     memory.start()
     work = one_pass(given["method"])
     return {
-        "packed_positions": work["packed_positions"],
-        "packed_context": work["packed_context"],
+        **{key: work[key] for key in step.WORK},
         "completion_tokens": int(batch.completion_positions().sum()),
         "peak_rss_mib": round(max(loaded_peak, _status_bytes("VmHWM")) / 2**20, 1),
         "peak_above_model_mib": round(memory.peak() / 2**20, 1),
@@ -166,7 +166,7 @@ def one_size(args: argparse.Namespace, given: dict, shape: dict, ceiling: float)
     times = run_in_subprocess(given | {"what": "time", "repeats": args.repeats})
     for method, run in runs.items():
         run |= times[method]
-        work = (run["packed_positions"], run["packed_context"])
+        work = tuple(run[key] for key in step.WORK)
         run |= flops.step_utilisation(shape, work, run["seconds_median"], ceiling, args.threads)
         print(f"{given['tokens']} tokens, {method}: {run}", flush=True)
     keys = ("seconds_median", "cpu_seconds_median", "cpu_seconds_min", "peak_rss_mib", "peak_above_model_mib")

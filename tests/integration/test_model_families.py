@@ -149,7 +149,7 @@ def test_train_generate_export_round_trip(tmp_path, family):
     assert {p.dtype for p in trainer.local.model.parameters()} == {torch.float32}
     # the forwards' and backwards' model GFLOP/s (a GPT-2's FLOPs are not counted); no ceiling probe for a tiny model
     assert all(s.get("fb_gflops", 0) > 0 or family == "gpt2" for s in stats)
-    assert all(s["packed_positions"] > 0 and "fb_mfu" not in s for s in stats)
+    assert all(s["packed_positions"] > s["head_positions"] > 0 and "fb_mfu" not in s for s in stats)
     base = AutoModelForCausalLM.from_pretrained(config.model.path).state_dict()
     last = read_version(runtime.weights_dir(config) / f"v{STEPS:06d}.safetensors")
     assert any(not torch.equal(tensor, base[name]) for name, tensor in last.items())  # training moved them

@@ -26,7 +26,7 @@ from workers.trainer.distributed import Collective, close_distributed, full_stat
 from workers.trainer.losses import LossSettings
 from workers.trainer.microbatch import allocator
 from workers.trainer.ranks import LeadRank, follow
-from workers.trainer.step import PhaseClock, Row, Sequences, StepSettings, collate, train_step
+from workers.trainer.step import WORK, PhaseClock, Row, Sequences, StepSettings, collate, train_step
 from workers.weight_deltas import Published, Publisher
 from workers.weights import write_version
 
@@ -127,13 +127,13 @@ def measure_ceiling(
     """The model's config for its FLOPs (None where `workers.flops` cannot count them) and rank 0's one-thread
     matmul ceiling in the step's dtype, GFLOP/s (0: not measured: on CUDA, where one small product says nothing of
     the peak, and for a model narrower than `BF16_MIN_WIDTH`, whose step is overhead-bound and whose runs
-    should not pay the probe's half second)."""
+    should not pay the probe's one second)."""
     shape = model.config.to_dict()
     if not flops.counts(shape):
         return None, 0.0
     if rank != 0 or device.type != "cpu" or shape["hidden_size"] < BF16_MIN_WIDTH:
         return shape, 0.0
-    return shape, flops.probe_ceiling(dtype, seconds=0.5)["prefill"]
+    return shape, flops.probe_ceiling(dtype)["prefill"]
 
 
 class Trainer:
@@ -191,10 +191,11 @@ class Trainer:
         }
 
     def utilisation(self, stats: dict[str, float]) -> dict[str, float]:
-        """The step's forwards' and backwards' model GFLOP/s (fb_gflops) and share of the ceiling (fb_mfu)."""
+        """The step's forwards' and backwards' model GFLOP/s (fb_gflops), share of the ceiling (fb_mfu) and the
+        ceiling it was measured against (fb_ceiling_gflops_per_core)."""
         if not self.shape:
             return {}
-        work, cores = (stats["packed_positions"], stats["packed_context"]), torch.get_num_threads() * self.world
+        work, cores = tuple(stats[key] for key in WORK), torch.get_num_threads() * self.world
         seconds, reference = stats["time_forward_backward"], self.local.reference is not None
         return flops.step_utilisation(self.shape, work, seconds, self.ceiling, cores, reference)
 

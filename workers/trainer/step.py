@@ -116,14 +116,14 @@ def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractCon
 
 def packed_logprobs(
     model: torch.nn.Module, batch: TrainBatch, temperature: float, dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]:
     """log pi(token t+1 | tokens <= t) at the sampling temperature and the entropy of that
     next-token distribution (no grad), [N, T-1] each, where token t+1 is a completion token (0 elsewhere: only
     those enter the loss), from one forward pass over the rows packed into one (rows with the same prompt share
     it), computed in `dtype` (autocast) up to the logits; the softmax is float32. The LM head runs only on the
     packed positions that predict a completion token (`completion_head`). Third: the pass's work for its model
-    FLOPs (`workers.flops`), its packed positions and the sum of their context lengths (a shared prompt's
-    positions once, a completion's going on from its prompt)."""
+    FLOPs (`workers.flops`): its packed positions, the sum of their context lengths (a shared prompt's
+    positions once, a completion's going on from its prompt) and the positions the head ran at."""
     use_packed_attention(model)
     packed = pack(batch.input_ids, batch.attention_mask, batch.prompt_lengths)
     predicting = batch.completion_positions()  # [N, T-1]
@@ -133,7 +133,7 @@ def packed_logprobs(
     with autocast(batch.input_ids.device, dtype), swapped_forward(head, replaced):
         logp, entropy = model(**packed.model_inputs()).logits  # [K] each
     positions = packed.position_ids.shape[1]
-    work = (positions, int(packed.position_ids.sum()) + positions)
+    work = (positions, int(packed.position_ids.sum()) + positions, len(rows))
     return scattered(predicting, logp), scattered(predicting, entropy), work
 
 
@@ -217,7 +217,8 @@ def token_logprobs(
     return logp
 
 
-WORK = ("packed_positions", "packed_context")  # a pass's positions and their contexts' sum, for its FLOPs
+# a pass's work, for its model FLOPs: its packed positions, their contexts' sum and the positions through the head
+WORK = ("packed_positions", "packed_context", "head_positions")
 
 
 def combine(parts: list[dict[str, float]], reduce: Callable[[Iterable[float]], float]) -> dict[str, float]:
@@ -259,7 +260,7 @@ def accumulate_gradients(
     parts = []
     for rows in batch.microbatches(split):
         mb = batch.select(rows)
-        logp, entropy, (positions, context) = packed_logprobs(model, mb, temperature, dtype)  # [n, T-1] each
+        logp, entropy, work = packed_logprobs(model, mb, temperature, dtype)  # [n, T-1] each
         mb_prox = logp.detach() if prox is None else prox[rows]  # [n, T-1]
         ref_logp = None
         if reference is not None:
@@ -271,8 +272,8 @@ def accumulate_gradients(
         value.backward()
         own_logp[rows] = logp.detach()
         entropy_mean = (entropy * mb.loss_mask).sum().item() / totals[0]
-        work = {"packed_positions": positions, "packed_context": context}
-        parts.append({"loss": value.item(), "entropy": entropy_mean, **loss_stats, **work})
+        work_done = dict(zip(WORK, work, strict=True))
+        parts.append({"loss": value.item(), "entropy": entropy_mean, **loss_stats, **work_done})
     return {**combine(parts, math.fsum), "microbatches": len(parts)}, own_logp
 
 

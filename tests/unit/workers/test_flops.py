@@ -1,5 +1,6 @@
 """Model FLOPs per token and the MFU arithmetic, on a tiny config counted by hand."""
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -17,17 +18,19 @@ TINY = {
 
 def test_matmul_parameters_count_every_projection_and_the_head_not_the_embedding():
     # per layer: q 8x8, o 8x8, k 8x4, v 8x4 = 192; gate, up, down 3 x 8x16 = 384; two layers; head 8x10
+    assert flops.body_parameters(TINY) == 2 * (192 + 384) == 1152 and flops.head_parameters(TINY) == 80
     assert flops.matmul_parameters(TINY) == 2 * (192 + 384) + 80 == 1232
     wide_heads = {**TINY, "head_dim": 6}  # q and o 8x12, k and v 8x6 = 288
     assert flops.matmul_parameters(wide_heads) == 2 * (288 + 384) + 80 == 1424
     assert flops.attention_width(TINY) == 8 and flops.attention_width(wide_heads) == 12
 
 
-def test_matmul_parameters_equal_a_built_models_linear_weights():
-    config = LlamaConfig(**TINY, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
+@pytest.mark.parametrize("tied", [False, True], ids=["own head", "head tied to the embedding"])
+def test_matmul_parameters_equal_a_built_models_linear_weights(tied):
+    model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=tied))
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    assert flops.matmul_parameters(TINY) == linear
+    assert flops.matmul_parameters(TINY) == linear  # a tied head is a matmul all the same, counted once
+    assert flops.head_parameters(TINY) == model.get_output_embeddings().weight.numel()
 
 
 def test_forward_train_and_generate_flops():
@@ -37,6 +40,14 @@ def test_forward_train_and_generate_flops():
     # a 2-token prompt and 2 new tokens: positions 0..2 are forwarded (the last token is never fed back)
     assert flops.generate_flops(TINY, prompt=2, new_tokens=2) == 7776
     assert flops.generate_flops(TINY, prompt=1, new_tokens=1) == 2 * 1232 + 4 * 2 * 8 * 1
+
+
+def test_the_head_counts_only_at_the_positions_it_runs_at():
+    # 3 positions at contexts 1..3, the head at 1 of them: 2 x 1152 x 3 + 2 x 80 x 1 + attention 384
+    assert flops.forward_flops(TINY, 3, 6, head_positions=1) == 6912 + 160 + 384 == 7456
+    assert flops.forward_flops(TINY, 3, 6, head_positions=3) == flops.forward_flops(TINY, 3, 6) == 7776
+    assert flops.forward_flops(TINY, 3, 6, head_positions=0) == 6912 + 384
+    assert flops.train_flops(TINY, 3, 6, head_positions=1) == 3 * 7456  # the recomputed head: once
 
 
 def test_gflops_and_mfu():
@@ -59,10 +70,50 @@ def test_probe_ceiling_is_short_and_keeps_the_thread_count():
     assert torch.get_num_threads() == threads
 
 
+class FakeClock:
+    """A clock that only the fake runs move: each run takes the next of its given durations."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def run(self, durations: list[float], calls: list[str], name: str):
+        def one() -> None:
+            calls.append(name)
+            self.now += durations.pop(0)
+
+        return one
+
+
+def test_fastest_runs_take_turns_in_bursts_and_keep_each_ones_fastest_call():
+    clock, calls = FakeClock(), []
+    # bursts of 2.5 s: a calls of 1 s stop at the third (at 3 s); b's one call of 4 s passes the burst's end
+    a = clock.run([1.0, 1.0, 1.0, 0.5, 1.0, 1.0], calls, "a")  # a's second burst: 0.5, 1, 1
+    b = clock.run([4.0, 3.0], calls, "b")
+    fastest = flops.fastest_runs({"a": a, "b": b}, burst_s=2.5, bursts=2, clock=clock)
+    assert fastest == {"a": 0.5, "b": 3.0}
+    assert calls == ["a"] * 3 + ["b"] + ["a"] * 3 + ["b"]
+    assert clock.now == 3 + 4 + 2.5 + 3
+    assert flops.fastest_runs({"a": a}, burst_s=1.0, bursts=0, clock=clock) == {"a": float("inf")}
+
+
+def test_product_gflops_of_the_probes_product():
+    # 512 x 1024 x 1024 multiply-adds = 1.073741824 GFLOP in 1 ms
+    assert flops.product_gflops(512, 0.001) == 1073.7 and flops.product_gflops(32, 0.001) == 67.1
+    assert flops.product_gflops(512, float("inf")) == 0.0
+
+
 def test_step_utilisation_of_a_training_step():
-    # 3 positions at contexts 1..3: 3 x 7776 FLOPs in 2 us = 11.664 GFLOP/s; ceiling 10 x 2 cores
-    assert flops.step_utilisation(TINY, (3, 6), 2e-6, ceiling=10.0, cores=2) == {"fb_gflops": 11.664, "fb_mfu": 0.5832}
-    with_reference = flops.step_utilisation(TINY, (3, 6), 2e-6, ceiling=10.0, cores=2, reference=True)
-    assert with_reference["fb_gflops"] == 15.552  # plus one forward
-    assert flops.step_utilisation(TINY, (3, 6), 2e-6, ceiling=0.0, cores=2) == {"fb_gflops": 11.664}
+    # 3 positions at contexts 1..3, the head at 1: 3 x 7456 FLOPs in 2 us = 11.184 GFLOP/s; ceiling 10 x 2 cores
+    assert flops.step_utilisation(TINY, (3, 6, 1), 2e-6, ceiling=10.0, cores=2) == {
+        "fb_gflops": 11.184,
+        "fb_mfu": 0.5592,
+        "fb_ceiling_gflops_per_core": 10.0,
+    }
+    with_reference = flops.step_utilisation(TINY, (3, 6, 1), 2e-6, ceiling=10.0, cores=2, reference=True)
+    assert with_reference["fb_gflops"] == 14.912  # plus one forward
+    assert flops.step_utilisation(TINY, (3, 6, 1), 2e-6, ceiling=0.0, cores=2) == {"fb_gflops": 11.184}
+    assert flops.step_utilisation(TINY, (3, 6, 3), 2e-6, ceiling=0.0, cores=2) == {"fb_gflops": 11.664}
     assert flops.counts(TINY) and not flops.counts({"n_embd": 8, "n_layer": 2})

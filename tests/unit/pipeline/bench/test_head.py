@@ -26,7 +26,8 @@ def test_the_baseline_computes_what_the_trainer_does():
     got, entropy, work = head.full_vocabulary_logprobs(model, batch, 0.8)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     torch.testing.assert_close(entropy, want_entropy, rtol=0, atol=1e-6)
-    assert work == want_work
+    assert work == want_work and work[2] == 2 * (1 + 8)  # the head at each group's last prompt position and
+    # at each row's first completion token (of 2): the full vocabulary's extra positions are not model FLOPs
 
 
 def test_a_timing_run_alternates_both_methods(tmp_path):

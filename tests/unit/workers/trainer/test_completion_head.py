@@ -95,7 +95,10 @@ def test_rows_without_completions_still_reach_every_weight():
     """Every row prompt only: nothing to predict, yet the backward runs through the model (FSDP2's filler
     micro-batches need every rank's backward to reach every layer)."""
     model = tiny_qwen2(vocab_size=VOCAB)
-    logp, entropy, _ = packed_logprobs(model, collate([Row([3, 4, 5], [], []), Row([6], [], [])], [1.0, 1.0], 0), 1.0)
+    logp, entropy, work = packed_logprobs(
+        model, collate([Row([3, 4, 5], [], []), Row([6], [], [])], [1.0, 1.0], 0), 1.0
+    )
+    assert work == (4, 1 + 2 + 3 + 1, 0)  # 4 packed positions at contexts 1, 2, 3 and 1; none through the head
     assert logp.tolist() == entropy.tolist() == [[0, 0], [0, 0]]
     logp.sum().backward()
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
@@ -120,3 +123,12 @@ def test_a_swapped_forward_leaves_the_module_as_it_was():
     with step.swapped_forward(linear, lambda x: "swapped"):
         assert linear(torch.ones(2)) == "swapped"
     assert linear.forward is hooked
+
+
+def test_the_work_counts_the_head_at_the_positions_it_ran_at():
+    """Two rows sharing a 2-token prompt (packed once), completions of 2 and 1 tokens: the prompt's last position
+    predicts both rows' first token and goes through the head once, the first row's first completion token
+    predicts its second; the last tokens of the rows predict nothing."""
+    batch = collate([Row([3, 4], [5, 6], [-1.0, -1.0]), Row([3, 4], [7], [-1.0])], [1.0, -1.0], pad_id=0)
+    work = packed_logprobs(tiny_qwen2(vocab_size=VOCAB), batch, 1.0)[2]
+    assert work == (5, (1 + 2) + (3 + 4) + 3, 2)  # packed: 3 4 | 5 6 | 7, the 7 at context 3
