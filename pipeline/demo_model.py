@@ -8,6 +8,7 @@ sometimes right (a reward signal) but mostly wrong (headroom).
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from dataclasses import replace
@@ -31,6 +32,7 @@ BYTE_LEVEL = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
 # around the target and the step where it gets there varies by seed (58–92), so warm-up
 # stops on a probe of unseen training problems rather than at a fixed step.
 WARMUP_MAX_STEPS = 150
+DEMO_MARKER = "asyncrl-demo.json"  # in a built demo model's folder: what it was built for (its rate is the default)
 PROBE_EVERY = 2
 
 
@@ -240,4 +242,6 @@ def prepare_demo_model(
         probe_every=recipe.probe_every,
     )
     model.save_pretrained(str(out))
+    provenance = {"task": type(task).__name__, "seed": seed, "task_seed": task_seed, "held_out": held_out}
+    (out / DEMO_MARKER).write_text(json.dumps(provenance) + "\n")
     return out

@@ -34,8 +34,12 @@ def learning_rate_warning(config: RunConfig, demo_dir: Path) -> str | None:
     """One line when a run on a model of one's own (model.path, not the demo model built in `demo_dir`) keeps the
     demo's learning rate: tuned for a tiny model from its warm-up, it wrecks a pretrained one in a few steps. A LoRA
     adapter (model.lora.rank > 0) trains well at about ten times a full fine-tune's rate, near that default."""
+    from pipeline.demo_model import DEMO_MARKER
+
     lr, path = config.trainer.optim.lr, config.model.path
     if not path or Path(path).resolve() == demo_dir.resolve() or lr != OptimConfig().lr or config.model.lora.rank:
+        return None
+    if (Path(path) / DEMO_MARKER).is_file():  # a demo model built elsewhere (a benchmark's, shared by its runs)
         return None
     return (
         f"asyncrl: warning: trainer.optim.lr is {lr:g}, the demo model's default; a pretrained model ({path}) usually "

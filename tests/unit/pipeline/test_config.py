@@ -267,6 +267,7 @@ def test_resolve_leaves_nothing_automatic():
 
 
 def test_a_run_on_ones_own_model_with_the_demo_learning_rate_is_warned_once(tmp_path):
+    from pipeline.demo_model import DEMO_MARKER
     from pipeline.preflight import learning_rate_warning
 
     demo_dir = tmp_path / "runs" / "demo" / "model"
@@ -282,3 +283,7 @@ def test_a_run_on_ones_own_model_with_the_demo_learning_rate_is_warned_once(tmp_
     lora = load_config(None, [f"model.path={tmp_path}/smollm2", "model.lora.rank=8"])
     assert learning_rate_warning(lora, demo_dir) is None  # an adapter's rate is about ten times a full fine-tune's
     assert learning_rate_warning(load_config(None, [f"model.path={demo_dir}"]), demo_dir) is None  # a demo resumed
+    shared = tmp_path / "bench-models" / "seed0"  # a demo model a benchmark built once for its runs
+    (shared / DEMO_MARKER).parent.mkdir(parents=True)
+    (shared / DEMO_MARKER).write_text("{}")
+    assert learning_rate_warning(load_config(None, [f"model.path={shared}"]), demo_dir) is None
