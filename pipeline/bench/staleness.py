@@ -321,6 +321,21 @@ def plot_finals(ax, cell_list: list[dict]) -> None:
     ax.legend(loc="lower left")
 
 
+def panel_layout(variants: list[str]) -> list[list[str]]:
+    """One panel per variant and the finals beside them: one row for up to two variants, else two rows of
+    curves with the finals spanning both (four variants in one row made a figure 28 inches wide)."""
+    if len(variants) <= 2:
+        return [[*variants, "finals"]]
+    width = -(-len(variants) // 2)
+    top, bottom = variants[:width], variants[width:]
+    return [[*top, "finals"], [*bottom, *["."] * (width - len(bottom)), "finals"]]
+
+
+def panel_size(variants: list[str]) -> tuple[float, float]:
+    layout = panel_layout(variants)
+    return 5.7 * len(layout[0]), 4.8 * len(layout)
+
+
 def plot(report: dict, path: Path) -> None:
     """Accuracy vs trainer step, one panel per variant, one colour per eta (mean ± sd band over seeds);
     then the final accuracy vs eta for every variant with ± sd error bars."""
@@ -333,14 +348,18 @@ def plot(report: dict, path: Path) -> None:
     etas = sorted({*PLOT_ETAS, *(r["eta"] for r in rows)})
     colours = plt.get_cmap("viridis")
     variants = [v for v in VARIANTS if any(r["objective"] == v for r in rows)]
-    fig, axes = plt.subplots(1, len(variants) + 1, figsize=(5.7 * (len(variants) + 1), 4.8), sharey=True)
-    for ax, objective in zip(axes, variants, strict=False):
-        plot_curves(ax, rows, objective, lambda eta: colours(etas.index(eta) / max(len(etas) - 1, 1) * 0.9))
-    plot_finals(axes[-1], report["cells"])
-    axes[0].set_ylabel("held-out greedy accuracy")
+    fig, panels = plt.subplot_mosaic(panel_layout(variants), figsize=panel_size(variants), sharey=True)
+    for objective in variants:
+        plot_curves(
+            panels[objective], rows, objective, lambda eta: colours(etas.index(eta) / max(len(etas) - 1, 1) * 0.9)
+        )
+    plot_finals(panels["finals"], report["cells"])
+    for row in panel_layout(variants):
+        panels[row[0]].set_ylabel("held-out greedy accuracy")
+    panels["finals"].yaxis.set_tick_params(labelleft=True)
     tops = [c["final_accuracy"] + (c["final_accuracy_sd"] or 0.0) for c in report["cells"]]
     highest = max(0.1, *tops, *(a for r in rows for _, a in r["curve"]))
-    axes[0].set_ylim(0, min(1.0, highest + 0.05))
+    panels["finals"].set_ylim(0, min(1.0, highest + 0.05))  # shared by every panel
     s = report["settings"]
     fig.suptitle(
         f"{s.get('task', 'arith')}: held-out accuracy vs staleness bound η, mean ± sd over {len(s['seeds'])} seed(s)"

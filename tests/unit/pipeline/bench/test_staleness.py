@@ -399,3 +399,16 @@ def test_every_variant_has_its_gap_to_naive_its_masked_share_and_its_panel(tmp_p
     ]
     staleness.plot(report_of(rows), tmp_path / "four.png")
     assert (tmp_path / "four.png").stat().st_size > 10_000
+
+
+def test_four_variants_plot_in_two_rows_with_the_finals_beside_them():
+    assert staleness.panel_layout(["naive", "decoupled"]) == [["naive", "decoupled", "finals"]]
+    assert staleness.panel_layout(["naive", "decoupled", "icepop", "m2po"]) == [
+        ["naive", "decoupled", "finals"],
+        ["icepop", "m2po", "finals"],
+    ]
+    assert staleness.panel_layout(["naive", "decoupled", "icepop"]) == [
+        ["naive", "decoupled", "finals"],
+        ["icepop", ".", "finals"],
+    ]
+    assert staleness.panel_size(["naive", "decoupled", "icepop", "m2po"]) == (17.1, 9.6)
