@@ -20,6 +20,7 @@ from pipeline.model_cache import model_path, model_width
 from schemas.config import AUTO, RunConfig
 from schemas.errors import ConfigError
 from workers.cores import auto_dtype, cores_here, split_cores
+from workers.trainer.microbatch import token_budget
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -212,6 +213,9 @@ def resolve(config: RunConfig) -> RunConfig:
         trainer, rollout = replace(trainer, threads=trainer_threads), replace(rollout, threads=rollout_threads)
     if trainer.loss.clip_eps_high == AUTO:
         trainer = replace(trainer, loss=replace(trainer.loss, clip_eps_high=trainer.loss.clip_eps))
+    if trainer.microbatch.max_tokens == AUTO:
+        budget = token_budget(AUTO, model.device)
+        trainer = replace(trainer, microbatch=replace(trainer.microbatch, max_tokens=budget))
     if trainer.checkpoint.weights_dir == AUTO:
         trainer = replace(trainer, checkpoint=replace(trainer.checkpoint, weights_dir=derived_weights_dir(config)))
     return replace(config, broker=broker, data=data, trainer=trainer, model=model, rollout=rollout)

@@ -296,13 +296,12 @@ class MicrobatchConfig(Section):
         doc("split of each minibatch into packed micro-batches: 'dynamic' under a token budget, 'fixed' count"),
     ] = "dynamic"
     max_tokens: Annotated[
-        int,
+        Annotated[int, msgspec.Meta(ge=1)] | Auto,
         doc(
-            "dynamic: token budget (prompt + completion) of one packed micro-batch; a longer sequence goes alone. "
-            "Activation memory grows with it (the logits alone are budget x vocabulary floats)",
-            ge=1,
+            "dynamic: token budget (prompt + completion) of one packed micro-batch, a longer sequence alone; "
+            "auto = 1024 on a CPU, 16384 on CUDA, where each micro-batch costs thousands of kernel launches"
         ),
-    ] = 1024
+    ] = AUTO
     min_count: Annotated[int, doc("dynamic: at least this many micro-batches per minibatch", ge=1)] = 1
     fixed_count: Annotated[int, doc("fixed: micro-batches per minibatch (contiguous, equal sequence counts)", ge=1)] = 1
 

@@ -24,7 +24,7 @@ from workers.trainer.advantages import ESTIMATORS
 from workers.trainer.buffer import Group
 from workers.trainer.distributed import Collective, close_distributed, full_state_dict, join_ranks, shard_model
 from workers.trainer.losses import LossSettings
-from workers.trainer.microbatch import allocator
+from workers.trainer.microbatch import allocator, token_budget
 from workers.trainer.ranks import LeadRank, follow
 from workers.trainer.step import WORK, PhaseClock, Row, Sequences, StepSettings, collate, train_step
 from workers.weight_deltas import Published, Publisher
@@ -45,7 +45,9 @@ def step_settings(config: RunConfig) -> StepSettings:
         grad_clip=optim.grad_clip,
         temperature=config.rollout.temperature,
         dtype=compute_dtype(config.model.dtype, config.model.device),
-        split=allocator(split.mode, split.max_tokens, split.min_count, split.fixed_count),
+        split=allocator(
+            split.mode, token_budget(split.max_tokens, config.model.device), split.min_count, split.fixed_count
+        ),
         loss=LossSettings(
             clip_eps=loss.clip_eps,
             clip_eps_high=loss.clip_eps_high,

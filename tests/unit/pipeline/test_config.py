@@ -287,3 +287,10 @@ def test_a_run_on_ones_own_model_with_the_demo_learning_rate_is_warned_once(tmp_
     (shared / DEMO_MARKER).parent.mkdir(parents=True)
     (shared / DEMO_MARKER).write_text("{}")
     assert learning_rate_warning(load_config(None, [f"model.path={shared}"]), demo_dir) is None
+
+
+def test_the_micro_batch_budget_resolves_per_device():
+    assert resolve(load_config()).trainer.microbatch.max_tokens == 1024
+    assert resolve(load_config(None, ["model.device=cuda"])).trainer.microbatch.max_tokens == 16384
+    given = load_config(None, ["model.device=cuda", "trainer.microbatch.max_tokens=2048"])
+    assert resolve(given).trainer.microbatch.max_tokens == 2048
