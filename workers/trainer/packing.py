@@ -181,10 +181,15 @@ def attend(query, key, value, run: list[int], parents, dropout: float, scale: fl
     run[0]..run[-1]: [1, H, n, D]."""
     s, e = run[0], run[-1]
     one = len(run) == 2  # a single sequence: plain causal attention, no mask
+    key, value = key[:, :, s:e], value[:, :, s:e]  # [1, Hkv, n, D]
+    if grouped and not one and query.device.type == "cuda":
+        # with a mask, CUDA's SDPA has no grouped-query kernel but its float32 math one: heads repeated instead
+        key, value = (t.repeat_interleave(query.shape[1] // t.shape[1], dim=1) for t in (key, value))  # [1, H, n, D]
+        grouped = False
     return F.scaled_dot_product_attention(
         query[:, :, s:e],
-        key[:, :, s:e],
-        value[:, :, s:e],
+        key,
+        value,
         attn_mask=None if one else block_causal_mask(run, query.device, parents),
         dropout_p=dropout,
         is_causal=one,
