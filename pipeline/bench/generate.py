@@ -380,6 +380,17 @@ def utilisation(model, prompts: list[list[int]], results: dict, s: Settings) -> 
     }
 
 
+def model_utilisation(model, prompts: list[list[int]], results: dict, costs: dict, s: Settings) -> dict | None:
+    """`utilisation` with each decode step's; None for a model whose config `workers.flops` cannot count (a
+    GPT-2's names its sizes otherwise): its tokens/s and speedups stand without it."""
+    if not flops.counts(model.config.to_dict()):
+        return None
+    used = utilisation(model, prompts, results, s)
+    cores = s.threads if s.device == "cpu" else 1
+    used["decode_steps"] = decode_utilisation(model, costs, used["ceiling_gflops_per_core"], cores, s.repeats)
+    return used
+
+
 def benchmark(s: Settings) -> dict:
     rng = random.Random(s.seed)
     model, prompts, name = load(s, rng)
@@ -396,14 +407,14 @@ def benchmark(s: Settings) -> dict:
     warm_up(model, prompts, s)
     results = compare(model, prompts, scenarios, s)
     ceiling = matmul_ceiling(model, s.concurrency, s.repeats)
-    used = utilisation(model, prompts, {k: {**r, "new_tokens": scenarios[k]} for k, r in results.items()}, s)
     costs = step_costs(model, prompts, scenarios["long_tailed"], s)
-    cores = s.threads if s.device == "cpu" else 1
-    used["decode_steps"] = decode_utilisation(model, costs, used["ceiling_gflops_per_core"], cores, s.repeats)
+    used = model_utilisation(
+        model, prompts, {k: {**r, "new_tokens": scenarios[k]} for k, r in results.items()}, costs, s
+    )
     return {
         "speedup_vs_hf": results["long_tailed"]["speedup_vs_hf"],
         "speedup_vs_hf_fixed": results["fixed"]["speedup_vs_hf"],
-        "engine_mfu": used["scenarios"]["long_tailed"]["engine_mfu"],
+        "engine_mfu": used["scenarios"]["long_tailed"]["engine_mfu"] if used else None,
         "utilisation": used,
         "matmul_ceiling": ceiling,  # the engine's long-tailed tok/s over it: its share of the ceiling
         "engine_share_of_matmul_ceiling": round(
@@ -489,6 +500,10 @@ def table(report: dict) -> str:
 
 def utilisation_lines(report: dict) -> list[str]:
     used, threads = report["utilisation"], report["settings"]["threads"]
+    if used is None:
+        return [
+            "model FLOPs: not counted (workers.flops reads a Llama-like config; this model names its sizes otherwise)"
+        ]
     lines = [
         f"ceiling: {used['ceiling_gflops_per_core']:.1f} GFLOP/s in {used['dtype']} ({used['ceiling_probe']}, "
         f"{used['ceiling_decode_shape_gflops_per_core']:.1f} at decode shape) on "
