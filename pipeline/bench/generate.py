@@ -505,7 +505,8 @@ def utilisation_lines(report: dict) -> list[str]:
             "model FLOPs: not counted (workers.flops reads a Llama-like config; this model names its sizes otherwise)"
         ]
     lines = [
-        f"ceiling: {used['ceiling_gflops_per_core']:.1f} GFLOP/s in {used['dtype']} ({used['ceiling_probe']}, "
+        f"ceiling: {used['ceiling_gflops_per_core']:.1f} GFLOP/s per {'GPU' if used['gpu'] else 'core'} in "
+        f"{used['dtype']} ({used['ceiling_probe']}, "
         f"{used['ceiling_decode_shape_gflops_per_core']:.1f} at decode shape) on "
         + (
             used["gpu"]
