@@ -32,6 +32,7 @@ from workers.stats import percentile
 
 MAX_RESTARTS = 3  # per worker; a worker that keeps failing ends the run as "failed"
 ERROR_TAIL_LINES = 8  # of a failed worker's log, on the console
+STATUS_EVERY_S = 30.0  # --no-progress: the longest gap between two status lines
 EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)(:|$)")  # a traceback's last line
 
 
@@ -183,6 +184,32 @@ def run_outcome(
     return None
 
 
+class StepDisplay:
+    """A trainer step's numbers: the progress bar's postfix, or without a bar (--no-progress: a Slurm or CI log)
+    a status line at the first and last steps and at most every STATUS_EVERY_S between."""
+
+    def __init__(self, bar: tqdm, steps: int, progress: bool, clock: Callable[[], float] = time.monotonic):
+        self.bar, self.steps, self.progress, self.clock, self.printed = bar, steps, progress, clock, -math.inf
+
+    def show(self, line: dict, accuracy: float | None) -> None:
+        held_out = "-" if accuracy is None else f"{accuracy:.2f}"
+        if self.progress:
+            self.bar.set_postfix(
+                reward=f"{line['reward_mean']:.2f}",
+                acc=held_out,
+                stale=f"{line['staleness_mean']:.1f}",
+                tok_s=f"{line['tokens_per_s']:.0f}",
+                refresh=False,
+            )
+        elif self.clock() - self.printed >= STATUS_EVERY_S or line["step"] >= self.steps:
+            self.printed = self.clock()
+            print(
+                f"asyncrl: step {line['step']}/{self.steps}, reward {line['reward_mean']:.2f}, held-out {held_out}, "
+                f"staleness {line['staleness_mean']:.1f}, {line['tokens_per_s']:.0f} tok/s",
+                flush=True,
+            )
+
+
 def final_eval_reserve(config: RunConfig, longest_eval: float) -> float:
     """Seconds of max_wall_s kept for scoring the last version once training stops: as long as the longest
     evaluation of the run so far (scored on cores the workers left over, so rather more than the last one needs
@@ -208,7 +235,7 @@ def follow(
     metrics_path = run_dir / "metrics.jsonl"
     accuracy, longest_eval = None, 0.0
     bar = tqdm(total=config.trainer.steps, desc="asyncrl", unit="step", disable=not progress, dynamic_ncols=True)
-    step = 0
+    display, step = StepDisplay(bar, config.trainer.steps, progress), 0
     try:
         while True:
             # exit codes before the metrics: a worker that ended after the trainer's last line is read as done
@@ -227,13 +254,7 @@ def follow(
                 step = line["step"]
                 if evaluation and config.eval.every and step % config.eval.every == 0 and step < config.trainer.steps:
                     evaluation.ask(step)  # the last step's version is asked for once the workers have stopped
-                bar.set_postfix(
-                    reward=f"{line['reward_mean']:.2f}",
-                    acc="-" if accuracy is None else f"{accuracy:.2f}",
-                    stale=f"{line['staleness_mean']:.1f}",
-                    tok_s=f"{line['tokens_per_s']:.0f}",
-                    refresh=False,
-                )
+                display.show(line, accuracy)
             if outcome := run_outcome(config, run_dir, workers, codes, step, started, bar, longest_eval):
                 return outcome
             if on_first_step and step:  # after the workers were polled: it may add one
