@@ -19,8 +19,7 @@ from msgspec.structs import replace
 from pipeline.model_cache import model_path, model_width
 from schemas.config import AUTO, RunConfig
 from schemas.errors import ConfigError
-from workers.cores import auto_dtype, cores_here, split_cores
-from workers.trainer.microbatch import token_budget
+from workers.cores import auto_dtype, cores_here, split_cores, token_budget
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -9,20 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-from schemas.config import AUTO
-
 Allocator = Callable[[list[int]], list[list[int]]]
-# trainer.microbatch.max_tokens=auto per device. On an H200 (SmolLM2-135M's shape, 64 rows of ~250 tokens) a
-# forward and backward took 2.32 s in micro-batches of 1,024 tokens (16; 107k kernel launches) and 0.61 s in
-# one of 16,384: a GPU pays per launch, where a CPU's matmuls are already large enough at 1,024.
-AUTO_BUDGET = {"cpu": 1024, "cuda": 16384}
-
-
-def token_budget(max_tokens: int | str, device: str) -> int:
-    """trainer.microbatch.max_tokens with auto made explicit for the trainer's `device` (`AUTO_BUDGET`)."""
-    if max_tokens != AUTO:
-        return int(max_tokens)
-    return AUTO_BUDGET["cuda" if str(device).startswith("cuda") else "cpu"]
 
 
 def allocate_dynamic(lengths: list[int], max_tokens: int, min_count: int = 1) -> list[list[int]]:

@@ -17,14 +17,14 @@ import torch
 from schemas.config import RunConfig
 from schemas.messages import Scored, model_token_mask
 from workers import flops, lora, runtime
-from workers.cores import BF16_MIN_WIDTH
+from workers.cores import BF16_MIN_WIDTH, token_budget
 from workers.models import cast_floating, compute_dtype, load_causal_lm
 from workers.trainer import checkpoint
 from workers.trainer.advantages import ESTIMATORS
 from workers.trainer.buffer import Group
 from workers.trainer.distributed import Collective, close_distributed, full_state_dict, join_ranks, shard_model
 from workers.trainer.losses import LossSettings
-from workers.trainer.microbatch import allocator, token_budget
+from workers.trainer.microbatch import allocator
 from workers.trainer.ranks import LeadRank, follow
 from workers.trainer.step import WORK, PhaseClock, Row, Sequences, StepSettings, collate, train_step
 from workers.weight_deltas import Published, Publisher

@@ -81,3 +81,12 @@ def test_auto_dtype_is_bfloat16_on_cuda_and_for_a_wide_model_on_a_native_bf16_cp
 ):
     monkeypatch.setattr("workers.cores.native_bf16_cpu", lambda: native)
     assert auto_dtype(device, width) == expected
+
+
+def test_the_automatic_token_budget_is_per_device_and_a_given_one_is_kept():
+    from workers.cores import token_budget
+
+    assert token_budget("auto", "cpu") == 1024
+    assert token_budget("auto", "cuda") == 16384
+    assert token_budget("auto", "cuda:1") == 16384
+    assert token_budget(24, "cuda") == 24

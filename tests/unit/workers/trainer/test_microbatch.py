@@ -97,12 +97,3 @@ def test_fixed_and_dynamic_both_train_and_agree(model):
         assert stats["microbatches"] == 2  # lengths 5+5 and 8+2 exceed 9 (dynamic); 3 asked of 2 sequences (fixed)
     for got, want in zip(trained["dynamic"].parameters(), trained["fixed"].parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)  # the same update, however it is split
-
-
-def test_the_automatic_token_budget_is_per_device_and_a_given_one_is_kept():
-    from workers.trainer.microbatch import token_budget
-
-    assert token_budget("auto", "cpu") == 1024
-    assert token_budget("auto", "cuda") == 16384
-    assert token_budget("auto", "cuda:1") == 16384
-    assert token_budget(24, "cuda") == 24
