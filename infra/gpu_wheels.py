@@ -13,12 +13,12 @@ from pathlib import Path
 
 from pipeline.bench.gpu import (
     ARCHITECTURE,
-    ARCHITECTURE_FILES,
     NOT_CARRIED,
     REAL_MODEL,
     ROOT,
     WHEELS,
     carried_requirements,
+    copy_architecture_files,
 )
 
 # downloaded as dependencies, then deleted: torch and transformers install them, and numpy alone is ~15 MiB
@@ -67,18 +67,13 @@ def download_wheels() -> int:
 
 def copy_architecture() -> None:
     """The imported SmolLM2's config and tokenizer (no weights) into infra/gpu-wheels, for the real-* checks."""
-    import shutil
-
     from pipeline.model_cache import cached_model
 
     if (source := cached_model(REAL_MODEL)) is None:
         print(f"not copied: the {REAL_MODEL} architecture (`asyncrl model import {REAL_MODEL}` first)")
         return
-    ARCHITECTURE.mkdir(parents=True, exist_ok=True)
-    copied = [
-        shutil.copy(source / name, ARCHITECTURE / name) for name in ARCHITECTURE_FILES if (source / name).is_file()
-    ]
-    size = sum(Path(path).stat().st_size for path in copied)
+    copied = copy_architecture_files(source, ARCHITECTURE)
+    size = sum(path.stat().st_size for path in copied)
     print(f"{size / 2**20:8.2f} MiB  {ARCHITECTURE.relative_to(ROOT)} (config and tokenizer, {len(copied)} files)")
 
 

@@ -93,32 +93,28 @@ def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
 PROBE_BURSTS = 5  # rounds of both shapes: each shape's timings spread over the whole probe
 
 
-def probe_ceiling(
-    dtype: torch.dtype, seconds: float = 1.0, device: str = "cpu", bursts: int = PROBE_BURSTS
-) -> dict[str, float]:
-    """GFLOP/s of one thread on a [rows, 1024] x [1024, 1024] product in `dtype`: 'prefill' at 512 rows (the
+def probe_ceiling(dtype: torch.dtype, seconds: float = 1.0, bursts: int = PROBE_BURSTS) -> dict[str, float]:
+    """GFLOP/s of one CPU thread on a [rows, 1024] x [1024, 1024] product in `dtype`: 'prefill' at 512 rows (the
     machine's ceiling), 'decode' at 32; each its fastest product in `bursts` short bursts taking turns over
     `seconds` (`fastest_runs`), so that other work busy on the machine for part of the probe does not set it.
     Runs on one thread and restores the process's thread count after."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        products = {name: matmul_product(rows, dtype, device) for name, rows in PROBE_SHAPES.items()}
+        products = {name: matmul_product(rows, dtype) for name, rows in PROBE_SHAPES.items()}
         fastest = fastest_runs(products, seconds / (bursts * len(products)), bursts)
     finally:
         torch.set_num_threads(threads)
     return {name: product_gflops(PROBE_SHAPES[name], fastest[name]) for name in PROBE_SHAPES}
 
 
-def matmul_product(rows: int, dtype: torch.dtype, device: str) -> Callable[[], None]:
-    """One [rows, 1024] x [1024, 1024] product in `dtype` to time, run once already (allocation, kernel choice)."""
-    a = torch.randn(rows, PROBE_WIDTH, device=device).to(dtype)  # [rows, 1024]
-    b = torch.randn(PROBE_WIDTH, PROBE_WIDTH, device=device).to(dtype)  # [1024, 1024]
+def matmul_product(rows: int, dtype: torch.dtype) -> Callable[[], None]:
+    """One [rows, 1024] x [1024, 1024] product in `dtype` on the CPU to time, run once already (allocation)."""
+    a = torch.randn(rows, PROBE_WIDTH).to(dtype)  # [rows, 1024]
+    b = torch.randn(PROBE_WIDTH, PROBE_WIDTH).to(dtype)  # [1024, 1024]
 
     def product() -> None:
         torch.mm(a, b)  # [rows, 1024]
-        if device != "cpu":
-            torch.cuda.synchronize()
 
     product()
     return product

@@ -598,20 +598,24 @@ def architecture_files() -> Path:
     )
 
 
+def copy_architecture_files(source: Path, target: Path) -> list[Path]:
+    """The ARCHITECTURE_FILES that `source` has, copied into `target`: the copies."""
+    import shutil
+
+    target.mkdir(parents=True, exist_ok=True)
+    return [Path(shutil.copy(source / name, target / name)) for name in ARCHITECTURE_FILES if (source / name).is_file()]
+
+
 def build_real_architecture(path: Path, changes: dict) -> int:
     """SmolLM2-135M-Instruct's architecture (its config.json, changed by `changes`) with random weights from seed 0,
     saved in bfloat16 with its tokenizer and chat template: the real model's shapes and costs, not its skill.
     Parameters."""
-    import shutil
 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     source = architecture_files()
-    path.mkdir(parents=True, exist_ok=True)
-    for name in ARCHITECTURE_FILES:
-        if (source / name).is_file():
-            shutil.copy(source / name, path / name)
+    copy_architecture_files(source, path)
     config = AutoConfig.from_pretrained(source)
     for key, value in changes.items():
         setattr(config, key, value)
@@ -635,12 +639,11 @@ def real_generate_check(scale: Scale, where: Path) -> Outcome:
     parameters = build_real_architecture(model, scale.real_model)
     argv = ["bench", "generate", "--model", str(model), "--device", scale.device, "--dtype", "bfloat16"]
     report = run_asyncrl([*argv, *scale.real_generate], where / "gpu-generate-smollm2.json")
-    used = report["utilisation"]
-    long = used["scenarios"]["long_tailed"]
+    peak = report["utilisation"]["ceiling_gflops_per_core"]
     detail = (
         f"engine {report['scenarios']['long_tailed']['engine']['tokens_per_s']:.0f} tok/s, "
         f"{report['speedup_vs_hf']}x HF generate on long-tailed lengths, {report['speedup_vs_hf_fixed']}x on fixed; "
-        f"MFU {long['engine_mfu']:.2%} of the measured bfloat16 peak {used['ceiling_gflops_per_core'] / 1e3:.0f} "
+        f"MFU {report['engine_mfu']:.2%} of the measured bfloat16 peak {peak / 1e3:.0f} "
         f"TFLOP/s ({parameters / 1e6:.3g}M-parameter SmolLM2 architecture, random weights)"
     )
     keys = ("speedup_vs_hf", "speedup_vs_hf_fixed", "engine_mfu", "utilisation", "step_costs")

@@ -323,7 +323,7 @@ def plot_finals(ax, cell_list: list[dict]) -> None:
 
 def panel_layout(variants: list[str]) -> list[list[str]]:
     """One panel per variant and the finals beside them: one row for up to two variants, else two rows of
-    curves with the finals spanning both (four variants in one row made a figure 28 inches wide)."""
+    curves with the finals spanning both (four variants in one row would be 28 inches wide)."""
     if len(variants) <= 2:
         return [[*variants, "finals"]]
     width = -(-len(variants) // 2)
