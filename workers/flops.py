@@ -31,15 +31,26 @@ def attention_width(config: Mapping) -> int:
     return heads * (config.get("head_dim") or config["hidden_size"] // heads)
 
 
+def projection_shapes(config: Mapping) -> list[tuple[int, int]]:
+    """One decoder layer's projections as (inputs, outputs): q, k, v, o (k and v at the key-value heads), then
+    the gated MLP's gate, up, down."""
+    hidden, width, inner = config["hidden_size"], attention_width(config), config["intermediate_size"]
+    kv = width // config["num_attention_heads"] * (config.get("num_key_value_heads") or config["num_attention_heads"])
+    return [
+        (hidden, width),
+        (hidden, kv),
+        (hidden, kv),
+        (width, hidden),
+        (hidden, inner),
+        (hidden, inner),
+        (inner, hidden),
+    ]
+
+
 def body_parameters(config: Mapping) -> int:
     """The body's share of N for a decoder-only transformer with a gated MLP (Llama, Qwen2, Mistral; `hidden_act`
     silu or gelu, three projections), from its config.json: per layer q, k, v, o and gate, up, down."""
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    kv = config.get("num_key_value_heads") or heads
-    attention = hidden * head_dim * (2 * heads + 2 * kv)  # q and o: heads; k and v: kv heads
-    mlp = 3 * hidden * config["intermediate_size"]
-    return config["num_hidden_layers"] * (attention + mlp)
+    return config["num_hidden_layers"] * sum(inputs * outputs for inputs, outputs in projection_shapes(config))
 
 
 def head_parameters(config: Mapping) -> int:
@@ -145,6 +156,42 @@ def fastest_runs(
 def product_gflops(rows: int, seconds: float) -> float:
     """GFLOP/s of one [rows, 1024] x [1024, 1024] product in `seconds` (0 where it never ran)."""
     return round(gflops(2 * rows * PROBE_WIDTH * PROBE_WIDTH, seconds), 1) if seconds < float("inf") else 0.0
+
+
+def training_products(shapes: list[tuple[int, int]], rows: int, dtype: torch.dtype) -> Callable[[], None]:
+    """The three products of each (inputs, outputs) projection's training at `rows` positions, run once already:
+    forward x·Wᵀ, and backward dY·W (the inputs' gradient) and dYᵀ·x (the weight's)."""
+    operands = [
+        (torch.randn(rows, i).to(dtype), torch.randn(o, i).to(dtype), torch.randn(rows, o).to(dtype)) for i, o in shapes
+    ]  # x [rows, in], W [out, in], dY [rows, out]
+
+    def products() -> None:
+        for x, weight, grad in operands:
+            torch.mm(x, weight.t())  # [rows, out]
+            torch.mm(grad, weight)  # [rows, in]
+            torch.mm(grad.t(), x)  # [out, in]
+
+    products()
+    return products
+
+
+def pass_products_gflops(config: Mapping, rows: int, head_rows: int, dtype: torch.dtype, seconds: float = 2.0) -> float:
+    """GFLOP/s of one thread on the matrix products alone of a training pass over `rows` packed positions with
+    the LM head at `head_rows`: the ceiling at the model's own shapes, which the whole pass cannot pass (its
+    attention, norms, casts and loss come on top). Each layer's products and the head's, fastest of
+    `PROBE_BURSTS` bursts; the layers are alike, so one is timed and counted `num_hidden_layers` times."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runs = {
+            "layer": training_products(projection_shapes(config), rows, dtype),
+            "head": training_products([(config["hidden_size"], config["vocab_size"])], head_rows, dtype),
+        }
+        fastest = fastest_runs(runs, seconds / (PROBE_BURSTS * len(runs)), PROBE_BURSTS)
+    finally:
+        torch.set_num_threads(threads)
+    done = 6 * (body_parameters(config) * rows + head_parameters(config) * head_rows)
+    return round(gflops(done, config["num_hidden_layers"] * fastest["layer"] + fastest["head"]), 1)
 
 
 REQUIRED = ("hidden_size", "num_attention_heads", "intermediate_size", "num_hidden_layers", "vocab_size")

@@ -16,6 +16,8 @@ one process for both: a warm-up pass of each, then --repeats rounds of one pass 
 work on the machine weighs on both alike; wall and CPU seconds, medians. `fb_mfu` is the trainer's
 (`workers.flops.step_utilisation`, over the wall median) against one ceiling probe made before the runs: both
 methods are charged the same model FLOPs, the head's at the positions that predict a completion token only.
+Beside them, the pass's matrix products alone at its own shapes (`workers.flops.pass_products_gflops`, one
+thread): the most fb_mfu could reach were everything else in the pass free.
 """
 
 from __future__ import annotations
@@ -161,7 +163,8 @@ def run_in_subprocess(given: dict) -> dict:
 
 
 def one_size(args: argparse.Namespace, given: dict, shape: dict, ceiling: float) -> dict:
-    """Both methods at one size: a memory run each, then one timing run of both; fb_mfu over the wall median."""
+    """Both methods at one size: a memory run each, then one timing run of both; fb_mfu over the wall median.
+    Beside them, the pass's matrix products alone at its shapes: the most its fb_mfu could be."""
     runs = {method: run_in_subprocess(given | {"what": "memory", "method": method}) for method in METHODS}
     times = run_in_subprocess(given | {"what": "time", "repeats": args.repeats})
     for method, run in runs.items():
@@ -169,9 +172,12 @@ def one_size(args: argparse.Namespace, given: dict, shape: dict, ceiling: float)
         work = tuple(run[key] for key in step.WORK)
         run |= flops.step_utilisation(shape, work, run["seconds_median"], ceiling, args.threads)
         print(f"{given['tokens']} tokens, {method}: {run}", flush=True)
+    positions, _, head_positions = (runs["chunked"][key] for key in step.WORK)
+    products = flops.pass_products_gflops(shape, positions, head_positions, getattr(torch, given["dtype"]))
+    alone = {"products_gflops_per_core": products, "products_mfu": round(products / ceiling, 4)}
     keys = ("seconds_median", "cpu_seconds_median", "cpu_seconds_min", "peak_rss_mib", "peak_above_model_mib")
     ratios = {f"{key}_full_over_chunked": round(runs["full"][key] / runs["chunked"][key], 3) for key in keys}
-    return {"tokens": given["tokens"], **runs, **ratios}
+    return {"tokens": given["tokens"], **runs, **alone, **ratios}
 
 
 def benchmark(args: argparse.Namespace) -> dict:
@@ -191,8 +197,8 @@ def benchmark(args: argparse.Namespace) -> dict:
 def table(report: dict) -> str:
     lines = [
         "| packed positions | method | s forward+backward | CPU s | CPU s, least | peak RSS MiB | above the model MiB "
-        "| fb_mfu |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| fb_mfu | its products alone, MFU |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for size in report["sizes"]:
         for method in METHODS:
@@ -201,7 +207,7 @@ def table(report: dict) -> str:
                 f"| {run['packed_positions']:,} | {method} | {run['seconds_median']:.2f} | {run['cpu_seconds_median']:.2f} "
                 f"| {run['cpu_seconds_min']:.2f} "
                 f"| {run['peak_rss_mib']:,.0f} "
-                f"| {run['peak_above_model_mib']:,.0f} | {run.get('fb_mfu', 0):.3f} |"
+                f"| {run['peak_above_model_mib']:,.0f} | {run.get('fb_mfu', 0):.3f} | {size['products_mfu']:.3f} |"
             )
     return "\n".join(lines)
 

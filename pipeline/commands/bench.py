@@ -272,7 +272,8 @@ KINDS = [  # (name, its options, add_parser's help and description), in the orde
             "8 completions after a shared prompt), forward and backward as the trainer runs them (autocast at "
             "model.dtype=auto's dtype) with the LM head's log-softmax over every position's full vocabulary, and "
             "with the trainer's head over completion positions in checkpointed chunks; each in a fresh process. "
-            "Reports seconds, peak resident memory and fb_mfu.",
+            "Reports seconds, peak resident memory and fb_mfu, beside the MFU of the pass's matrix products alone at "
+            "its shapes: the most fb_mfu could be.",
         ),
     ),
     (

@@ -70,6 +70,31 @@ def test_probe_ceiling_is_short_and_keeps_the_thread_count():
     assert torch.get_num_threads() == threads
 
 
+def test_projection_shapes_are_a_layers_linear_weights_in_order():
+    layer = LlamaForCausalLM(LlamaConfig(**TINY)).model.layers[0]
+    projections = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj]
+    projections += [layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]
+    assert flops.projection_shapes(TINY) == [(p.in_features, p.out_features) for p in projections]
+    assert flops.projection_shapes(TINY) == [(8, 8), (8, 4), (8, 4), (8, 8), (8, 16), (8, 16), (16, 8)]
+
+
+def test_training_products_run_the_forward_and_both_backward_products_of_each_projection(monkeypatch):
+    shapes = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: shapes.append((tuple(a.shape), tuple(b.shape))) or real_mm(a, b))
+    flops.training_products([(8, 4)], rows=3, dtype=torch.float32)
+    assert shapes == [((3, 8), (8, 4)), ((3, 4), (4, 8)), ((4, 3), (3, 8))]  # x·Wᵀ, dY·W, dYᵀ·x
+
+
+def test_pass_products_gflops_count_every_layer_and_the_head_at_its_rows(monkeypatch):
+    monkeypatch.setattr(flops, "fastest_runs", lambda runs, burst_s, bursts: {"layer": 5e-6, "head": 2.5e-6})
+    threads = torch.get_num_threads()
+    done = 6 * (1152 * 100 + 80 * 40)  # three products of two flops per multiply-add: body at 100 rows, head at 40
+    assert flops.pass_products_gflops(TINY, rows=100, head_rows=40, dtype=torch.float32) == 56.8
+    assert done / (2 * 5e-6 + 2.5e-6) / 1e9 == pytest.approx(56.832)
+    assert torch.get_num_threads() == threads
+
+
 class FakeClock:
     """A clock that only the fake runs move: each run takes the next of its given durations."""
 
