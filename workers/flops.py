@@ -17,8 +17,9 @@ trainer's checkpointed head) and masked work a kernel does count for nothing.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -104,18 +105,25 @@ def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
 PROBE_BURSTS = 5  # rounds of both shapes: each shape's timings spread over the whole probe
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread inside (a probe measures one core), the process's thread count restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def probe_ceiling(dtype: torch.dtype, seconds: float = 1.0, bursts: int = PROBE_BURSTS) -> dict[str, float]:
     """GFLOP/s of one CPU thread on a [rows, 1024] x [1024, 1024] product in `dtype`: 'prefill' at 512 rows (the
     machine's ceiling), 'decode' at 32; each its fastest product in `bursts` short bursts taking turns over
     `seconds` (`fastest_runs`), so that other work busy on the machine for part of the probe does not set it.
     Runs on one thread and restores the process's thread count after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         products = {name: matmul_product(rows, dtype) for name, rows in PROBE_SHAPES.items()}
         fastest = fastest_runs(products, seconds / (bursts * len(products)), bursts)
-    finally:
-        torch.set_num_threads(threads)
     return {name: product_gflops(PROBE_SHAPES[name], fastest[name]) for name in PROBE_SHAPES}
 
 
@@ -180,16 +188,12 @@ def pass_products_gflops(config: Mapping, rows: int, head_rows: int, dtype: torc
     the LM head at `head_rows`: the ceiling at the model's own shapes, which the whole pass cannot pass (its
     attention, norms, casts and loss come on top). Each layer's products and the head's, fastest of
     `PROBE_BURSTS` bursts; the layers are alike, so one is timed and counted `num_hidden_layers` times."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         runs = {
             "layer": training_products(projection_shapes(config), rows, dtype),
             "head": training_products([(config["hidden_size"], config["vocab_size"])], head_rows, dtype),
         }
         fastest = fastest_runs(runs, seconds / (PROBE_BURSTS * len(runs)), PROBE_BURSTS)
-    finally:
-        torch.set_num_threads(threads)
     done = 6 * (body_parameters(config) * rows + head_parameters(config) * head_rows)
     return round(gflops(done, config["num_hidden_layers"] * fastest["layer"] + fastest["head"]), 1)
 
